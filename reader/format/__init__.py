@@ -1,0 +1,36 @@
+"""The on-disk format of a packed dataset, owned here and imported by both the packer and the reader.
+
+A dataset is a directory: shard files (LMDB or HDF5) holding the record bytes and, inside each shard,
+its record table; and ``manifest.json``, written last, whose presence means the dataset is complete.
+FORMAT.md beside this file is the specification; this package is its only implementation.
+"""
+from reader.format.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    FormatError,
+    Manifest,
+    ShardInfo,
+    file_checksum,
+    load_manifest,
+)
+from reader.format.records import ENCODINGS, RECORD_TABLE_DTYPE, STORAGES, shard_file_name
+from reader.format.shards import ShardWriter, open_shard_writer, read_record_table
+
+__all__ = [
+    "ENCODINGS",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "RECORD_TABLE_DTYPE",
+    "STORAGES",
+    "FormatError",
+    "Manifest",
+    "ShardInfo",
+    "ShardWriter",
+    "file_checksum",
+    "load_manifest",
+    "open_shard_writer",
+    "read_record_table",
+    "shard_file_name",
+]

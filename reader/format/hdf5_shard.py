@@ -1,0 +1,79 @@
+"""HDF5 shards: every payload back to back in one contiguous uint8 dataset, plus the record table.
+
+``/records`` is a flat, uncompressed, contiguous ``uint8`` dataset (a run of records is one byte range
+of the file); ``/table`` a compound dataset with ``RECORD_TABLE_DTYPE``. No timestamps are stored, so
+the same records give the same bytes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from reader.format.manifest import FormatError
+from reader.format.records import RECORD_TABLE_DTYPE
+from reader.format.shards import ShardWriter
+
+RECORDS_DATASET = "records"
+TABLE_DATASET = "table"
+_COPY_CHUNK = 64 << 20
+
+
+def open_readonly(path: Path) -> h5py.File:
+    """Open a shard for reading without HDF5 file locking (which fails on many network shares)."""
+    return h5py.File(path, "r", locking=False)
+
+
+class Hdf5ShardWriter(ShardWriter):
+    """Payloads go to a plain spool file first: a contiguous HDF5 dataset needs its size up front."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._spool_path = self.path.with_name(self.path.name + ".spool")
+        self._spool = open(self._spool_path, "wb")
+
+    def _write_payload(self, index: int, payload: bytes | memoryview) -> None:
+        self._spool.write(payload)
+
+    def _finish_payloads(self, table: np.ndarray) -> np.ndarray:
+        self._spool.close()
+        total = int(table["nbytes"].sum())
+        self.tmp_path.unlink(missing_ok=True)
+        self._file = h5py.File(self.tmp_path, "w", libver="earliest", track_order=False, locking=False)
+        records = self._file.create_dataset(
+            RECORDS_DATASET, shape=(total,), dtype=np.uint8, track_times=False
+        )
+        with open(self._spool_path, "rb") as spool:
+            start = 0
+            while chunk := spool.read(_COPY_CHUNK):
+                records[start : start + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+                start += len(chunk)
+        self._spool_path.unlink()
+        within = np.concatenate([[0], np.cumsum(table["nbytes"][:-1], dtype=np.uint64)])
+        return records.id.get_offset() + within.astype(np.uint64)
+
+    def _write_table(self, table: np.ndarray) -> None:
+        self._file.create_dataset(TABLE_DATASET, data=table, track_times=False)
+        self._close()
+
+    def _close(self) -> None:
+        if not self._spool.closed:
+            self._spool.close()
+        self._spool_path.unlink(missing_ok=True)
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_hdf5_table(path: Path) -> np.ndarray:
+    try:
+        with open_readonly(path) as f:
+            if TABLE_DATASET not in f:
+                raise FormatError(f"{path}: HDF5 shard has no /{TABLE_DATASET} dataset")
+            table = f[TABLE_DATASET][()]
+    except OSError as e:
+        raise FormatError(f"{path}: cannot be opened as an HDF5 shard ({e})") from None
+    if table.dtype != RECORD_TABLE_DTYPE:
+        raise FormatError(f"{path}: record table has dtype {table.dtype}, expected {RECORD_TABLE_DTYPE}")
+    return table

@@ -1,0 +1,87 @@
+"""Shard files: one writer class per storage behind a small base class, and the record-table reader.
+
+A writer takes records in order and produces a complete shard only in ``finish()``: until then the
+data lives under a temporary name, so a crash never leaves a file that looks like a finished shard.
+"""
+from __future__ import annotations
+
+import abc
+import os
+from pathlib import Path
+
+import numpy as np
+
+from reader.format.manifest import fsync_directory
+from reader.format.records import RECORD_TABLE_DTYPE, STORAGES
+
+
+class ShardWriter(abc.ABC):
+    """Appends records to one shard; ``finish()`` writes the record table and publishes the file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.tmp_path = self.path.with_name(self.path.name + ".tmp")
+        self._rows: list[tuple[int, int, int, int]] = []  # (nbytes, label, height, width)
+        self.payload_bytes = 0
+
+    @property
+    def num_records(self) -> int:
+        return len(self._rows)
+
+    def append(self, payload: bytes | memoryview, label: int, height: int, width: int) -> None:
+        """Add one record's payload; records keep the order in which they are appended."""
+        self._write_payload(len(self._rows), payload)
+        self._rows.append((len(payload), label, height, width))
+        self.payload_bytes += len(payload)
+
+    def finish(self) -> np.ndarray:
+        """Write the record table, fsync, and rename the shard to its final name. Returns the table."""
+        table = np.zeros(len(self._rows), dtype=RECORD_TABLE_DTYPE)
+        rows = np.array(self._rows, dtype=np.int64).reshape(-1, 4)
+        table["nbytes"], table["label"], table["height"], table["width"] = rows.T
+        table["offset"] = self._finish_payloads(table)
+        self._write_table(table)
+        with open(self.tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(self.tmp_path, self.path)
+        fsync_directory(self.path.parent)
+        return table
+
+    def abort(self) -> None:
+        """Drop everything written so far."""
+        self._close()
+        self.tmp_path.unlink(missing_ok=True)
+
+    @abc.abstractmethod
+    def _write_payload(self, index: int, payload: bytes | memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def _finish_payloads(self, table: np.ndarray) -> np.ndarray:
+        """Flush all payloads; return each record's byte offset in the shard file."""
+
+    @abc.abstractmethod
+    def _write_table(self, table: np.ndarray) -> None:
+        """Store the table inside the shard and close the container."""
+
+    @abc.abstractmethod
+    def _close(self) -> None: ...
+
+
+def open_shard_writer(storage: str, path: Path) -> ShardWriter:
+    """A writer for a new shard at ``path`` in the given storage (``"lmdb"`` or ``"hdf5"``)."""
+    from reader.format.hdf5_shard import Hdf5ShardWriter
+    from reader.format.lmdb_shard import LmdbShardWriter
+
+    writers = {"lmdb": LmdbShardWriter, "hdf5": Hdf5ShardWriter}
+    if storage not in writers:
+        raise ValueError(f"unknown storage {storage!r}: expected one of {', '.join(STORAGES)}")
+    return writers[storage](path)
+
+
+def read_record_table(storage: str, path: Path) -> np.ndarray:
+    """The record table stored inside the shard at ``path`` (opened read-only, no lock files)."""
+    from reader.format.hdf5_shard import read_hdf5_table
+    from reader.format.lmdb_shard import read_lmdb_table
+
+    readers = {"lmdb": read_lmdb_table, "hdf5": read_hdf5_table}
+    return readers[storage](Path(path))
