@@ -1,0 +1,149 @@
+"""BatchAugment against references computed by hand on real PNG images (CPU always, CUDA when present)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from reader.augment import BatchAugment, epoch_generator, normalization_affine
+
+MEAN_01, STD_01 = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+MEAN_255, STD_255 = (123.675, 116.28, 103.53), (58.395, 57.12, 57.375)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    """Six 20x24 RGB images written as PNG and read back: uint8 [6, 3, 20, 24]."""
+    folder = tmp_path_factory.mktemp("png")
+    rng = np.random.default_rng(7)
+    images = []
+    for i in range(6):
+        path = folder / f"{i}.png"
+        Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(path)
+        with Image.open(path) as img:
+            images.append(torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1))
+    return torch.stack(images)
+
+
+def normalize_by_hand(images: torch.Tensor, mean: tuple, std: tuple, unit: float) -> torch.Tensor:
+    pixels = images.to(torch.float64) / unit
+    return (pixels - torch.tensor(mean, dtype=torch.float64).view(3, 1, 1)) / torch.tensor(
+        std, dtype=torch.float64
+    ).view(3, 1, 1)
+
+
+def test_unit_rule() -> None:
+    scale, shift = normalization_affine(MEAN_01, STD_01)
+    assert scale[0] == pytest.approx(1 / (255 * 0.229)) and shift[0] == pytest.approx(-0.485 / 0.229)
+    scale, shift = normalization_affine(MEAN_255, STD_255)
+    assert scale[0] == pytest.approx(1 / 58.395) and shift[0] == pytest.approx(-123.675 / 58.395)
+    with pytest.raises(ValueError, match="std must be positive"):
+        normalization_affine((0.5,) * 3, (0.0, 1.0, 1.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("units", ["0-1", "0-255"])
+def test_normalization_both_units(batch: torch.Tensor, device: str, units: str) -> None:
+    mean, std, unit = (MEAN_01, STD_01, 255.0) if units == "0-1" else (MEAN_255, STD_255, 1.0)
+    augment = BatchAugment(mean, std)
+    out = augment(batch.to(device), epoch_generator(0, 0, torch.device(device)))
+    assert out.dtype == torch.float32 and out.device.type == device
+    torch.testing.assert_close(out.cpu().double(), normalize_by_hand(batch, mean, std, unit), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_dtypes(batch: torch.Tensor, device: str, dtype: torch.dtype) -> None:
+    out = BatchAugment(MEAN_01, STD_01, dtype=dtype)(batch.to(device), epoch_generator(0, 0, torch.device(device)))
+    assert out.dtype == dtype
+    expected = normalize_by_hand(batch, MEAN_01, STD_01, 255.0).to(dtype)
+    torch.testing.assert_close(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_channels_last_in_and_out(batch: torch.Tensor, device: str) -> None:
+    images = batch.to(device).contiguous(memory_format=torch.channels_last)
+    out = BatchAugment(MEAN_01, STD_01, channels_last=True)(images, epoch_generator(0, 0, torch.device(device)))
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out.cpu().double(), normalize_by_hand(batch, MEAN_01, STD_01, 255.0), atol=1e-5, rtol=0)
+    plain = BatchAugment(MEAN_01, STD_01)(images, epoch_generator(0, 0, torch.device(device)))
+    assert plain.is_contiguous()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flip_mirrors_exactly_the_drawn_samples(batch: torch.Tensor, device: str) -> None:
+    augment = BatchAugment((0.0,) * 3, (1.0,) * 3, flip=True)
+    generator = epoch_generator(3, 0, torch.device(device))
+    draws = augment.draw(len(batch), 20, 24, generator)
+    out = augment.apply(batch.to(device), draws).cpu()
+    flips = draws.flip.cpu()
+    assert 0 < int(flips.sum()) < len(batch), "seed 3 should flip some samples and keep others"
+    for i, flipped in enumerate(flips.tolist()):
+        expected = batch[i].flip(-1) if flipped else batch[i]
+        torch.testing.assert_close(out[i] * 255, expected.float(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_crop_matches_slicing(batch: torch.Tensor, device: str) -> None:
+    augment = BatchAugment((0.0,) * 3, (1.0,) * 3, crop=(9, 11), flip=True)
+    draws = augment.draw(len(batch), 20, 24, epoch_generator(1, 0, torch.device(device)))
+    out = augment.apply(batch.to(device), draws).cpu()
+    assert out.shape == (len(batch), 3, 9, 11)
+    tops, lefts = draws.top.cpu().tolist(), draws.left.cpu().tolist()
+    assert len(set(zip(tops, lefts))) > 1, "corners are drawn per sample"
+    for i, (top, left, flipped) in enumerate(zip(tops, lefts, draws.flip.cpu().tolist())):
+        assert 0 <= top <= 20 - 9 and 0 <= left <= 24 - 11
+        window = batch[i, :, top : top + 9, left : left + 11]
+        expected = window.flip(-1) if flipped else window
+        torch.testing.assert_close(out[i] * 255, expected.float(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_resized_crop_matches_interpolate_per_box(batch: torch.Tensor, device: str) -> None:
+    augment = BatchAugment(MEAN_01, STD_01, random_resized_crop=(8, 10), flip=True, scale=(0.2, 1.0))
+    draws = augment.draw(len(batch), 20, 24, epoch_generator(5, 0, torch.device(device)))
+    out = augment.apply(batch.to(device), draws).cpu().double()
+    assert out.shape == (len(batch), 3, 8, 10)
+    boxes = zip(*(t.cpu().tolist() for t in (draws.top, draws.left, draws.height, draws.width, draws.flip)))
+    for i, (top, left, height, width, flipped) in enumerate(boxes):
+        assert top + height <= 20 and left + width <= 24
+        assert 0.2 * 480 - 24 <= height * width <= 480, "box area follows scale (up to rounding)"
+        box = batch[i : i + 1, :, top : top + height, left : left + width].double()
+        resized = F.interpolate(box, size=(8, 10), mode="bilinear", align_corners=False, antialias=False)[0]
+        expected = normalize_by_hand(resized.flip(-1) if flipped else resized, MEAN_01, STD_01, 255.0)
+        torch.testing.assert_close(out[i], expected, atol=1e-4, rtol=0)
+
+
+def test_random_resized_crop_falls_back_to_centre_box() -> None:
+    augment = BatchAugment((0.5,) * 3, (0.5,) * 3, random_resized_crop=4, scale=(1.0, 1.0), ratio=(2.0, 3.0))
+    draws = augment.draw(3, 20, 20, epoch_generator(0, 0, torch.device("cpu")))
+    # A square 20x20 image cannot hold a box of full area with aspect 2..3: torchvision's fallback is
+    # the largest box with the ratio clamped to 2, i.e. 10 rows by 20 columns.
+    assert draws.height.tolist() == [10] * 3 and draws.width.tolist() == [20] * 3
+
+
+def test_draws_are_seeded_and_differ_across_epochs(batch: torch.Tensor) -> None:
+    augment = BatchAugment(MEAN_01, STD_01, random_resized_crop=8, flip=True)
+    cpu = torch.device("cpu")
+    first = augment(batch, epoch_generator(11, 0, cpu))
+    again = augment(batch, epoch_generator(11, 0, cpu))
+    next_epoch = augment(batch, epoch_generator(11, 1, cpu))
+    other_seed = augment(batch, epoch_generator(12, 0, cpu))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, next_epoch)
+    assert not torch.equal(first, other_seed)
+
+
+def test_bad_options_are_refused(batch: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="either crop or random_resized_crop"):
+        BatchAugment(MEAN_01, STD_01, crop=8, random_resized_crop=8)
+    with pytest.raises(ValueError, match="larger than the images"):
+        BatchAugment(MEAN_01, STD_01, crop=32)(batch, epoch_generator(0, 0, torch.device("cpu")))
+    with pytest.raises(ValueError, match="uint8 batch"):
+        BatchAugment(MEAN_01, STD_01)(batch.float(), epoch_generator(0, 0, torch.device("cpu")))
+    with pytest.raises(ValueError, match="dtype"):
+        BatchAugment(MEAN_01, STD_01, dtype=torch.int32)
