@@ -1,0 +1,187 @@
+"""CUDAPrefetcher over a small in-memory loader of real PNG images: outputs, epochs, early break;
+stream behaviour and memory on CUDA when present."""
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from reader.prefetcher import CUDAPrefetcher
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def png_images(folder: Path, count: int, height: int = 16, width: int = 20) -> torch.Tensor:
+    """``count`` random RGB images written as PNG and read back, as uint8 [count, 3, H, W]."""
+    rng = np.random.default_rng(0)
+    images = []
+    for i in range(count):
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+        with Image.open(folder / f"{i}.png") as img:
+            images.append(torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1))
+    return torch.stack(images)
+
+
+class ListLoader:
+    """The loader interface the prefetcher needs: ``len``, ``set_epoch``, iteration over batches.
+
+    Labels are the sample indices. Each iteration yields fresh tensors (so a test can watch them
+    die) and counts the iterations that were closed."""
+
+    def __init__(self, images: torch.Tensor, batch_size: int, channels_last: bool = False) -> None:
+        self.images, self.batch_size, self.channels_last = images, batch_size, channels_last
+        self.epochs_set: list[int] = []
+        self.closed_iterations = 0
+        self.produced: list[weakref.ref] = []
+
+    def __len__(self) -> int:
+        return -(-len(self.images) // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs_set.append(epoch)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        try:
+            for start in range(0, len(self.images), self.batch_size):
+                images = self.images[start : start + self.batch_size].clone()
+                if self.channels_last:
+                    images = images.contiguous(memory_format=torch.channels_last)
+                labels = torch.arange(start, start + len(images))
+                self.produced += [weakref.ref(images), weakref.ref(labels)]
+                yield images, labels
+        finally:
+            self.closed_iterations += 1
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    return png_images(tmp_path_factory.mktemp("png"), 10)
+
+
+def normalized(images: torch.Tensor) -> torch.Tensor:
+    mean, std = torch.tensor(MEAN).view(3, 1, 1), torch.tensor(STD).view(3, 1, 1)
+    return (images.double() / 255 - mean.double()) / std.double()
+
+
+def test_cpu_outputs_equal_reference(images: torch.Tensor) -> None:
+    prefetcher = CUDAPrefetcher(ListLoader(images, 4, channels_last=True), MEAN, STD, device="cpu")
+    assert len(prefetcher) == 3
+    got_images, got_labels = zip(*prefetcher)
+    torch.testing.assert_close(torch.cat(got_images).double(), normalized(images), atol=1e-5, rtol=0)
+    assert torch.equal(torch.cat(got_labels), torch.arange(10))
+    assert all(labels.dtype == torch.int64 for labels in got_labels)
+
+
+def test_every_sample_once_per_epoch_and_reiterable(images: torch.Tensor) -> None:
+    loader = ListLoader(images, 3)
+    prefetcher = CUDAPrefetcher(loader, (0.0,) * 3, (1.0,) * 3, device="cpu", flip=True, crop=(8, 8))
+    for epoch in range(3):
+        prefetcher.set_epoch(epoch)
+        batches = list(prefetcher)
+        assert len(batches) == len(prefetcher) == 4
+        assert all(batch.shape[1:] == (3, 8, 8) for batch, _ in batches)
+        labels = torch.cat([labels for _, labels in batches])
+        assert sorted(labels.tolist()) == list(range(10))
+    assert loader.epochs_set == [0, 1, 2]
+
+
+def test_augmentation_seeded_and_different_across_epochs(images: torch.Tensor) -> None:
+    def run(seed: int) -> list[torch.Tensor]:
+        prefetcher = CUDAPrefetcher(
+            ListLoader(images, 5), MEAN, STD, device="cpu", flip=True, random_resized_crop=8, seed=seed
+        )
+        return [torch.cat([batch for batch, _ in prefetcher]) for _ in range(2)]
+
+    first, again, other = run(0), run(0), run(1)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not torch.equal(first[0], first[1]), "each epoch draws anew"
+    assert not torch.equal(first[0], other[0]), "the seed matters"
+
+
+def test_early_break_leaks_nothing(images: torch.Tensor) -> None:
+    loader = ListLoader(images, 2)
+    prefetcher = CUDAPrefetcher(loader, MEAN, STD, device="cpu")
+    for batch, labels in prefetcher:
+        break
+    out = weakref.ref(batch)
+    del batch, labels
+    assert loader.closed_iterations == 1, "the loader's iterator is closed at once on break"
+    assert out() is None
+    assert all(ref() is None for ref in loader.produced), "no input batch is still referenced"
+    gc.collect()
+    assert all(ref() is None for ref in loader.produced)
+
+
+@needs_cuda
+def test_cuda_outputs_equal_reference_on_another_stream(images: torch.Tensor) -> None:
+    prefetcher = CUDAPrefetcher(ListLoader(images, 4), MEAN, STD, device="cuda", channels_last=True)
+    consumer = torch.cuda.Stream()
+    with torch.cuda.stream(consumer):
+        got = [(batch.double() * 1, labels * 1) for batch, labels in prefetcher]
+    torch.cuda.synchronize()
+    assert all(batch.device.type == "cuda" for batch, _ in got)
+    torch.testing.assert_close(torch.cat([b for b, _ in got]).cpu(), normalized(images), atol=1e-5, rtol=0)
+    assert torch.equal(torch.cat([labels for _, labels in got]).cpu(), torch.arange(10))
+
+
+@needs_cuda
+def test_cuda_every_sample_once_with_augmentation(images: torch.Tensor) -> None:
+    prefetcher = CUDAPrefetcher(ListLoader(images, 3), (0.0,) * 3, (1.0,) * 3, device="cuda", crop=(8, 8))
+    for _ in range(2):
+        labels = torch.cat([labels for _, labels in prefetcher]).cpu()
+        assert sorted(labels.tolist()) == list(range(10))
+
+
+@needs_cuda
+def test_cuda_next_returns_before_the_next_copy_completes() -> None:
+    big = torch.randint(0, 256, (128, 3, 512, 512), dtype=torch.uint8).pin_memory()
+    loader = [(big, torch.zeros(128, dtype=torch.int64).pin_memory())] * 4
+    prefetcher = CUDAPrefetcher(loader, MEAN, STD, device="cuda")
+    iterator = iter(prefetcher)
+    torch.cuda.synchronize()
+    first, _ = next(iterator)
+    # next() enqueued batch 1 on the side stream and returned without waiting for it.
+    assert not prefetcher.stream.query(), "the side stream should still be copying/converting batch 1"
+    torch.cuda.synchronize()
+    assert prefetcher.stream.query()
+    expected = (big[:2].double() / 255 - torch.tensor(MEAN).double().view(3, 1, 1)) / torch.tensor(STD).double().view(
+        3, 1, 1
+    )
+    torch.testing.assert_close(first[:2].double().cpu(), expected, atol=1e-5, rtol=0)
+    iterator.close()
+
+
+@needs_cuda
+def test_cuda_reserved_memory_stable_across_epochs(images: torch.Tensor) -> None:
+    loader = ListLoader(images.repeat(4, 1, 1, 1), 8)
+    prefetcher = CUDAPrefetcher(loader, MEAN, STD, device="cuda", random_resized_crop=12, flip=True)
+    reserved = []
+    for _ in range(5):
+        for batch, _ in prefetcher:
+            batch.sum().item()
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+    assert reserved[1] == reserved[4], f"reserved bytes per epoch: {reserved}"
+
+
+@needs_cuda
+def test_cuda_early_break_leaks_nothing(images: torch.Tensor) -> None:
+    loader = ListLoader(images, 2)
+    prefetcher = CUDAPrefetcher(loader, MEAN, STD, device="cuda")
+    assert len(list(prefetcher)) == len(loader)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for batch, labels in prefetcher:
+        break
+    del batch, labels
+    torch.cuda.synchronize()
+    assert loader.closed_iterations == 2
+    assert torch.cuda.memory_allocated() == before, "the batch in flight was released"
