@@ -1,0 +1,129 @@
+"""GPUDataset over a small fake dataset of real PNG images (CPU always, CUDA when present)."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import reader.gpu_dataset as gpu_dataset
+from reader.gpu_dataset import GPUDataset
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+class FakePackedDataset:
+    """The interface GPUDataset uses: ``len``, ``manifest.shape``, ``__getitems__``; counts the reads."""
+
+    def __init__(self, images: torch.Tensor, shape: list[int] | None) -> None:
+        self.images = images
+        self.path = Path("/data/fake-packed")
+        self.manifest = SimpleNamespace(shape=shape)
+        self.reads: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads.append(list(indices))
+        batch = self.images[indices].contiguous(memory_format=torch.channels_last)
+        return batch, torch.tensor(indices, dtype=torch.int64)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    """Eleven 12x14 RGB PNGs read back as uint8 [11, 3, 12, 14]."""
+    folder = tmp_path_factory.mktemp("png")
+    rng = np.random.default_rng(1)
+    out = []
+    for i in range(11):
+        Image.fromarray(rng.integers(0, 256, (12, 14, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+        with Image.open(folder / f"{i}.png") as img:
+            out.append(torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1))
+    return torch.stack(out)
+
+
+def normalized(images: torch.Tensor) -> torch.Tensor:
+    mean, std = torch.tensor(MEAN).double().view(3, 1, 1), torch.tensor(STD).double().view(3, 1, 1)
+    return (images.double() / 255 - mean) / std
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loads_in_big_batches_and_matches_reference(images: torch.Tensor, device: str) -> None:
+    dataset = FakePackedDataset(images, [3, 12, 14])
+    resident = GPUDataset(dataset, device, batch_size=4, mean=MEAN, std=STD, shuffle=False, load_batch_size=5)
+    assert dataset.reads == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10]]
+    assert len(resident) == 3
+    batches = list(resident)
+    got = torch.cat([b for b, _ in batches]).cpu().double()
+    labels = torch.cat([l for _, l in batches]).cpu()
+    assert batches[0][0].device.type == device
+    assert torch.equal(labels, torch.arange(11))
+    torch.testing.assert_close(got, normalized(images), atol=1e-5, rtol=0)
+    assert len(dataset.reads) == 3, "iterating reads nothing more from the dataset"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_sample_once_per_epoch_shuffled(images: torch.Tensor, device: str) -> None:
+    resident = GPUDataset(FakePackedDataset(images, [3, 12, 14]), device, batch_size=3, mean=MEAN, std=STD)
+    orders = []
+    for _ in range(3):
+        batches = list(resident)
+        assert len(batches) == len(resident) == 4
+        order = torch.cat([labels for _, labels in batches]).cpu()
+        assert sorted(order.tolist()) == list(range(11))
+        for batch, labels in batches:
+            torch.testing.assert_close(batch.cpu().double(), normalized(images[labels.cpu()]), atol=1e-5, rtol=0)
+        orders.append(order.tolist())
+    assert orders[0] != orders[1] != orders[2], "a new permutation every epoch"
+
+
+def test_drop_last(images: torch.Tensor) -> None:
+    resident = GPUDataset(
+        FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=3, mean=MEAN, std=STD, drop_last=True
+    )
+    batches = list(resident)
+    assert len(resident) == len(batches) == 3
+    assert all(len(labels) == 3 for _, labels in batches)
+
+
+def test_seeded_reproducible_and_set_epoch(images: torch.Tensor) -> None:
+    def epochs(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        resident = GPUDataset(
+            FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=11, mean=MEAN, std=STD,
+            seed=seed, random_resized_crop=8, flip=True, channels_last=True,
+        )
+        first = next(iter(resident))
+        resident.set_epoch(0)
+        replay = next(iter(resident))
+        assert torch.equal(first[0], replay[0]) and torch.equal(first[1], replay[1])
+        return [first, next(iter(resident))]
+
+    run, again, other = epochs(0), epochs(0), epochs(1)
+    assert run[0][0].shape == (11, 3, 8, 8) and run[0][0].is_contiguous(memory_format=torch.channels_last)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(run, again))
+    assert not torch.equal(run[0][0], run[1][0]), "epoch 1 draws anew"
+    assert not torch.equal(run[0][1], other[0][1]), "the seed changes the order"
+
+
+def test_refuses_variable_sizes(images: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="fake-packed: records have different sizes"):
+        GPUDataset(FakePackedDataset(images, None), "cpu", batch_size=4, mean=MEAN, std=STD)
+
+
+def test_refuses_a_dataset_too_large_for_free_memory(images: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_dataset, "free_memory_bytes", lambda device: 1000)
+    with pytest.raises(MemoryError, match=r"fake-packed: dataset needs 0\.00 GiB, cpu has 0\.00 GiB free"):
+        GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, mean=MEAN, std=STD)
+    needed = 11 * (3 * 12 * 14 + 8)
+    monkeypatch.setattr(gpu_dataset, "free_memory_bytes", lambda device: int(needed / gpu_dataset.MEMORY_FRACTION) + 1)
+    assert len(GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, mean=MEAN, std=STD)) == 3
+
+
+def test_refuses_records_that_contradict_the_manifest(images: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match=r"records 0\.\.10 have shape \(3, 12, 14\), but the manifest says"):
+        GPUDataset(FakePackedDataset(images, [3, 16, 16]), "cpu", batch_size=4, mean=MEAN, std=STD)
