@@ -1,0 +1,233 @@
+"""``PackedDataset``: a packed dataset directory as a torch map-style dataset that reads whole batches.
+
+Everything known about the records (file offsets, sizes, labels, heights, widths, shard boundaries) is
+loaded once into numpy arrays: no per-record Python objects, so DataLoader workers do not slowly copy
+the parent's memory by touching refcounts (pytorch #13246). No file stays open after ``__init__``;
+each process opens the shard files on first read, so the dataset is safe to use under ``fork``,
+``spawn`` and ``forkserver``, and pickles as its path plus those arrays.
+
+The hot path is ``__getitems__``, which the DataLoader calls with a whole batch of indices: records
+are grouped by shard and read in coalesced runs straight into the batch tensor (raw pixels) or into a
+reused scratch buffer and then decoded straight into the batch tensor (JPEG).
+"""
+from __future__ import annotations
+
+import math
+import operator
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from reader.decode import decode_jpeg_into
+from reader.format import (
+    ENCODINGS,
+    STORAGES,
+    FormatError,
+    Manifest,
+    load_manifest,
+    read_record_table,
+)
+from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
+
+Images = torch.Tensor | list[torch.Tensor]
+
+
+class PackedDataset(Dataset):
+    """Records of a packed dataset as ``(uint8 tensor [3, H, W], int label)`` pairs.
+
+    ``fast_decode`` (JPEG datasets only) uses libjpeg-turbo's fast DCT and chroma upsampling: about 8%
+    faster, within about 2 grey levels of an accurate decode (see ``reader.decode``). ``max_gap`` is the
+    largest hole in the file (bytes) that a single read spans to join two requested records.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, *, fast_decode: bool = True, max_gap: int = DEFAULT_MAX_GAP
+    ) -> None:
+        self.path = Path(path)
+        self.manifest: Manifest = load_manifest(self.path)
+        self.fast_decode = fast_decode
+        _check_manifest(self.manifest, self.path)
+        counts, tables = [], []
+        for shard in self.manifest.shards:
+            table = read_record_table(self.manifest.storage, self.path / shard.file)
+            if len(table) != shard.records:
+                raise FormatError(f"{self.path / shard.file}: record table has {len(table)} rows, "
+                                  f"the manifest says {shard.records}")
+            counts.append(len(table))
+            tables.append(table)
+        self._shard_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        columns = {name: np.concatenate([t[name] for t in tables]).astype(np.int64)
+                   if tables else np.zeros(0, np.int64)
+                   for name in ("offset", "nbytes", "label", "height", "width")}
+        self._offsets = columns["offset"]
+        self._nbytes = columns["nbytes"]
+        self._heights = columns["height"]
+        self._widths = columns["width"]
+        self.targets: np.ndarray = columns["label"]
+        self._check_records()
+        self._files = ShardFiles([self.path / s.file for s in self.manifest.shards], max_gap)
+        self._scratch = bytearray(0)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_scratch"] = bytearray(0)
+        return state
+
+    @property
+    def classes(self) -> list[str]:
+        return self.manifest.classes
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return self.manifest.class_to_idx
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        """One record: a contiguous ``uint8 [3, H, W]`` tensor and its label."""
+        images, labels = self.__getitems__([operator.index(index)])
+        return images[0].contiguous(), int(labels[0])
+
+    def __getitems__(self, indices: Sequence[int]) -> tuple[Images, torch.Tensor]:
+        """A whole batch, in the requested order: ``(uint8 [B, 3, H, W], int64 [B])``.
+
+        When the records' sizes vary (manifest ``shape`` is null) the images are a list of
+        ``[3, H, W]`` tensors instead. JPEG batches are decoded channels-last: the tensor has shape
+        ``[B, 3, H, W]`` with ``channels_last`` strides, which models and ``.to()`` accept as is. This
+        is a batch, not a list of samples: use it with an identity ``collate_fn`` (``make_loader``).
+        """
+        idx = self._checked_indices(indices)
+        labels = torch.from_numpy(self.targets[idx])
+        if self.manifest.encoding == "raw":
+            return self._read_raw(idx), labels
+        return self._read_jpeg(idx), labels
+
+    def close(self) -> None:
+        """Close the shard files this process opened (they reopen on the next read)."""
+        self._files.close()
+
+    def _checked_indices(self, indices: Sequence[int]) -> np.ndarray:
+        idx = np.asarray(indices)
+        if idx.size == 0:
+            return idx.astype(np.int64).reshape(0)
+        if idx.dtype.kind not in "iu" or idx.ndim != 1:
+            raise TypeError(f"{self.path}: indices must be a flat sequence of ints, got {indices!r:.80}")
+        idx = idx.astype(np.int64)
+        n = len(self)
+        bad = (idx < -n) | (idx >= n)
+        if bad.any():
+            raise IndexError(f"{self.path}: index {idx[bad][0]} is out of range for {n} records")
+        return np.where(idx < 0, idx + n, idx)
+
+    def _read_raw(self, idx: np.ndarray) -> Images:
+        nbytes = self._nbytes[idx]
+        if self.manifest.shape is not None:
+            batch = _new_batch((len(idx), *self.manifest.shape))
+            self._read_payloads(idx, _split(batch, nbytes))
+            return batch
+        flat = _new_batch((int(nbytes.sum()),))
+        self._read_payloads(idx, _split(flat, nbytes))
+        return [part.view(3, h, w) for part, h, w in
+                zip(flat.split(nbytes.tolist()), self._heights[idx].tolist(), self._widths[idx].tolist())]
+
+    def _read_jpeg(self, idx: np.ndarray) -> Images:
+        nbytes = self._nbytes[idx]
+        total = int(nbytes.sum())
+        if len(self._scratch) < total:
+            self._scratch = bytearray(total + total // 4)
+        scratch = memoryview(self._scratch)[:total]
+        payloads = _split_view(scratch, nbytes)
+        self._read_payloads(idx, payloads)
+        heights, widths = self._heights[idx].tolist(), self._widths[idx].tolist()
+        if self.manifest.shape is not None:
+            _, h, w = self.manifest.shape
+            batch = _new_batch((len(idx), h, w, 3))
+            rows = batch.numpy()
+            for k, payload in enumerate(payloads):
+                self._decode(idx[k], payload, rows[k])
+            return batch.permute(0, 3, 1, 2)
+        sizes = [3 * h * w for h, w in zip(heights, widths)]
+        images = []
+        for k, part in enumerate(_new_batch((sum(sizes),)).split(sizes)):
+            pixels = part.view(heights[k], widths[k], 3)
+            self._decode(idx[k], payloads[k], pixels.numpy())
+            images.append(pixels.permute(2, 0, 1))
+        return images
+
+    def _decode(self, record: int, payload: memoryview, out: np.ndarray) -> None:
+        try:
+            decode_jpeg_into(payload, out, fast=self.fast_decode)
+        except ValueError as e:
+            shard = self._shard_of(np.asarray([record]))[0]
+            within = record - self._shard_starts[shard]
+            raise FormatError(f"{self._files.paths[shard]}: record {within} of this shard (dataset "
+                              f"record {record}) is not a valid JPEG of its recorded size: {e}") from None
+
+    def _shard_of(self, idx: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self._shard_starts, idx, side="right") - 1
+
+    def _read_payloads(self, idx: np.ndarray, destinations: list[memoryview]) -> None:
+        """Fill ``destinations[k]`` with record ``idx[k]``'s payload, one shard at a time."""
+        shards = self._shard_of(idx)
+        for shard in np.unique(shards).tolist():
+            members = np.flatnonzero(shards == shard)
+            records = idx[members]
+            self._files.read(shard, ReadRequest(
+                offsets=self._offsets[records],
+                nbytes=self._nbytes[records],
+                destinations=[destinations[k] for k in members.tolist()],
+                records=records,
+            ))
+
+    def _check_records(self) -> None:
+        """Refuse tables that disagree with the manifest, before any read relies on them."""
+        origin = self.path / "manifest.json"
+        labels = self.targets
+        if len(labels) and (labels.min() < 0 or labels.max() >= len(self.manifest.classes)):
+            raise FormatError(f"{origin}: a record's label is outside the {len(self.manifest.classes)} "
+                              "classes")
+        shape = self.manifest.shape
+        if shape is not None:
+            if len(shape) != 3 or shape[0] != 3:
+                raise FormatError(f"{origin}: shape {shape} is not [3, H, W]")
+            if len(labels) and ((self._heights != shape[1]) | (self._widths != shape[2])).any():
+                raise FormatError(f"{origin}: shape is {shape} but some records have another size")
+        if self.manifest.encoding == "raw" and (self._nbytes != 3 * self._heights * self._widths).any():
+            raise FormatError(f"{origin}: some raw records' byte sizes are not 3 * height * width")
+
+
+def _check_manifest(manifest: Manifest, path: Path) -> None:
+    origin = path / "manifest.json"
+    if manifest.storage not in STORAGES:
+        raise FormatError(f"{origin}: unknown storage {manifest.storage!r}")
+    if manifest.encoding not in ENCODINGS:
+        raise FormatError(f"{origin}: unknown encoding {manifest.encoding!r}")
+
+
+def _new_batch(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised uint8 tensor for a batch.
+
+    In a DataLoader worker it lives in shared memory from the start: sending it to the main process
+    then passes a file descriptor, where a private tensor would first be copied into a fresh shared
+    segment (a second 38 MB write per batch of 256 raw 224x224 images).
+    """
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape))
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+def _split(tensor: torch.Tensor, nbytes: np.ndarray) -> list[memoryview]:
+    """Consecutive byte ranges of a C-contiguous uint8 tensor, one per record."""
+    return _split_view(memoryview(tensor.numpy()).cast("B"), nbytes)
+
+
+def _split_view(view: memoryview, nbytes: np.ndarray) -> list[memoryview]:
+    ends = np.cumsum(nbytes).tolist()
+    starts = [0, *ends[:-1]]
+    return [view[a:b] for a, b in zip(starts, ends)]

@@ -1,0 +1,201 @@
+"""PackedDataset: pixels and labels round-trip, batches in the requested order, errors name the file."""
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import reader.shard_io
+from reader import PackedDataset
+from reader.format import FormatError
+from reader_helpers import CLASSES, chw, make_images, write_dataset
+
+COUNT = 23
+SIZE = (24, 32)
+
+
+def labels_for(count: int) -> list[int]:
+    return [(i * 7) % len(CLASSES) for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def images() -> list[np.ndarray]:
+    return make_images(COUNT, [SIZE])
+
+
+@pytest.fixture(scope="module", params=[("lmdb", "raw"), ("lmdb", "jpeg"), ("hdf5", "raw"), ("hdf5", "jpeg")],
+                ids=lambda p: "-".join(p))
+def packed(request, images, tmp_path_factory) -> tuple[Path, str]:
+    storage, encoding = request.param
+    dst = tmp_path_factory.mktemp(f"{storage}-{encoding}")
+    write_dataset(dst, images, labels_for(COUNT), storage=storage, encoding=encoding,
+                  records_per_shard=10)
+    return dst, encoding
+
+
+def assert_close(got: torch.Tensor, image: np.ndarray, encoding: str) -> None:
+    """Raw pixels round-trip exactly; JPEG (q95) stays within a few grey levels on average."""
+    expected = chw(image)
+    assert got.shape == expected.shape and got.dtype == torch.uint8
+    error = np.abs(got.numpy().astype(np.int16) - expected).mean()
+    assert error == 0 if encoding == "raw" else error < 5
+
+
+def test_metadata(packed):
+    ds = PackedDataset(packed[0])
+    assert len(ds) == COUNT
+    assert ds.classes == CLASSES
+    assert ds.class_to_idx == {"cat": 0, "dog": 1, "eel": 2}
+    assert ds.targets.dtype == np.int64
+    assert ds.targets.tolist() == labels_for(COUNT)
+    assert ds.manifest.num_records == COUNT
+
+
+def test_items_round_trip(packed, images):
+    path, encoding = packed
+    ds = PackedDataset(path)
+    for i in (0, 9, 10, COUNT - 1, -1):
+        image, label = ds[i]
+        assert image.is_contiguous()
+        assert isinstance(label, int) and label == labels_for(COUNT)[i]
+        assert_close(image, images[i], encoding)
+
+
+def test_batch_in_requested_order_across_shards(packed, images):
+    path, encoding = packed
+    ds = PackedDataset(path)
+    indices = [22, 3, 15, 3, 0, 9, 10, 19]
+    batch, labels = ds.__getitems__(indices)
+    assert batch.shape == (len(indices), 3, *SIZE) and batch.dtype == torch.uint8
+    assert labels.dtype == torch.int64
+    assert labels.tolist() == [labels_for(COUNT)[i] for i in indices]
+    for row, i in zip(batch, indices):
+        assert_close(row, images[i], encoding)
+        assert torch.equal(row, ds[i][0])
+
+
+def test_jpeg_batch_is_channels_last(tmp_path, images):
+    write_dataset(tmp_path, images, labels_for(COUNT), storage="lmdb", encoding="jpeg",
+                  records_per_shard=COUNT)
+    batch, _ = PackedDataset(tmp_path).__getitems__([0, 1])
+    assert batch.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_each_shard_run_is_one_read(packed, images, monkeypatch):
+    """Neighbouring records are coalesced: a whole two-shard batch is one preadv per shard."""
+    calls = []
+    real_preadv = os.preadv
+
+    def counting_preadv(fd, buffers, offset):
+        calls.append(len(buffers))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(reader.shard_io.os, "preadv", counting_preadv)
+    path, encoding = packed
+    indices = list(range(4, 16))[::-1]
+    batch, _ = PackedDataset(path).__getitems__(indices)
+    assert len(calls) == 2
+    for row, i in zip(batch, indices):
+        assert_close(row, images[i], encoding)
+
+
+def test_runs_split_at_iovec_limit(packed, images, monkeypatch):
+    monkeypatch.setattr(reader.shard_io, "IOV_MAX", 4)
+    path, encoding = packed
+    batch, _ = PackedDataset(path).__getitems__(list(range(COUNT)))
+    for row, image in zip(batch, images):
+        assert_close(row, image, encoding)
+
+
+@pytest.mark.parametrize("storage", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("encoding", ["raw", "jpeg"])
+def test_variable_size_records(tmp_path, storage, encoding):
+    images = make_images(7, [(16, 24), (32, 16), (20, 20)], seed=1)
+    write_dataset(tmp_path, images, labels_for(7), storage=storage, encoding=encoding,
+                  records_per_shard=4)
+    ds = PackedDataset(tmp_path)
+    assert ds.manifest.shape is None
+    batch, labels = ds.__getitems__([6, 1, 4, 2])
+    assert isinstance(batch, list) and labels.tolist() == [labels_for(7)[i] for i in (6, 1, 4, 2)]
+    for image, i in zip(batch, [6, 1, 4, 2]):
+        assert_close(image, images[i], encoding)
+    assert_close(ds[5][0], images[5], encoding)
+
+
+def test_out_of_range_index(packed):
+    ds = PackedDataset(packed[0])
+    with pytest.raises(IndexError):
+        ds[COUNT]
+    with pytest.raises(IndexError):
+        ds.__getitems__([0, -COUNT - 1])
+    with pytest.raises(TypeError):
+        ds[1.5]
+
+
+def test_truncated_shard_names_file_and_record(tmp_path, images):
+    write_dataset(tmp_path, images, labels_for(COUNT), storage="hdf5", encoding="raw",
+                  records_per_shard=10)
+    ds = PackedDataset(tmp_path)
+    shard = tmp_path / "shard-00001.h5"
+    os.truncate(shard, int(ds._offsets[15]) + 10)
+    ds[10]
+    with pytest.raises(FormatError, match=r"shard-00001\.h5.*record 15"):
+        ds.__getitems__([10, 15])
+
+
+def test_corrupt_jpeg_names_file_and_record(tmp_path, images):
+    write_dataset(tmp_path, images, labels_for(COUNT), storage="hdf5", encoding="jpeg",
+                  records_per_shard=10)
+    ds = PackedDataset(tmp_path)
+    with open(tmp_path / "shard-00000.h5", "r+b") as f:
+        f.seek(int(ds._offsets[4]))
+        f.write(b"\0" * 64)
+    with pytest.raises(FormatError, match=r"shard-00000\.h5: record 4 .*not a valid JPEG"):
+        ds[4]
+
+
+def test_read_only_directory_stays_untouched(tmp_path, images):
+    for storage in ("lmdb", "hdf5"):
+        dst = write_dataset(tmp_path / storage, images, labels_for(COUNT), storage=storage,
+                            encoding="raw", records_per_shard=10)
+        before = sorted(p.name for p in dst.iterdir())
+        dst.chmod(0o555)
+        try:
+            ds = PackedDataset(dst)
+            ds.__getitems__(list(range(COUNT)))
+            ds.close()
+        finally:
+            dst.chmod(0o755)
+        assert sorted(p.name for p in dst.iterdir()) == before
+
+
+def test_no_open_files_after_init(packed):
+    def open_files() -> set[str]:
+        return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")}
+
+    path = packed[0]
+    ds = PackedDataset(path)
+    assert not any(name.startswith(str(path)) for name in open_files())
+    ds[0]
+    assert any(name.startswith(str(path)) for name in open_files())
+    ds.close()
+    assert not any(name.startswith(str(path)) for name in open_files())
+
+
+def test_fast_decode_option_stays_close_to_pil(tmp_path, images):
+    write_dataset(tmp_path, images, labels_for(COUNT), storage="hdf5", encoding="jpeg",
+                  records_per_shard=COUNT)
+    accurate, fast = PackedDataset(tmp_path, fast_decode=False), PackedDataset(tmp_path)
+    for i in (0, 7):
+        start, size = int(accurate._offsets[i]), int(accurate._nbytes[i])
+        with open(tmp_path / "shard-00000.h5", "rb") as f:
+            f.seek(start)
+            reference = chw(np.asarray(Image.open(io.BytesIO(f.read(size))).convert("RGB")))
+        for ds, tolerance in ((accurate, 0.5), (fast, 3)):
+            assert np.abs(ds[i][0].numpy().astype(np.int16) - reference).mean() < tolerance
