@@ -127,3 +127,23 @@ def test_refuses_a_dataset_too_large_for_free_memory(images: torch.Tensor, monke
 def test_refuses_records_that_contradict_the_manifest(images: torch.Tensor) -> None:
     with pytest.raises(ValueError, match=r"records 0\.\.10 have shape \(3, 12, 14\), but the manifest says"):
         GPUDataset(FakePackedDataset(images, [3, 16, 16]), "cpu", batch_size=4, mean=MEAN, std=STD)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_end_to_end_on_a_packed_dataset(tmp_path: Path, device: str) -> None:
+    from reader import PackedDataset
+    from reader_helpers import chw, make_images, write_dataset
+
+    sources = make_images(9, [(16, 20)])
+    write_dataset(tmp_path, sources, [i % 3 for i in range(9)], storage="lmdb", encoding="raw", records_per_shard=4)
+    resident = GPUDataset(PackedDataset(tmp_path), device, batch_size=4, mean=MEAN, std=STD, crop=(8, 8))
+    seen = []
+    for batch, labels in resident:
+        assert batch.shape[1:] == (3, 8, 8) and batch.device.type == device
+        seen += labels.tolist()
+    assert sorted(seen) == sorted(i % 3 for i in range(9))
+    unshuffled = GPUDataset(PackedDataset(tmp_path), device, batch_size=9, mean=MEAN, std=STD, shuffle=False)
+    batch, labels = next(iter(unshuffled))
+    expected = normalized(torch.from_numpy(np.stack([chw(image) for image in sources])))
+    torch.testing.assert_close(batch.cpu().double(), expected, atol=1e-5, rtol=0)
+    assert labels.tolist() == [i % 3 for i in range(9)]
