@@ -1,0 +1,171 @@
+"""ShardSampler: complete epochs in every order, shard-local blocks, DDP slices, seeds, resume."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from reader import PackedDataset, ShardSampler
+from reader.format import Manifest, ShardInfo
+from reader_helpers import make_images, write_dataset
+
+RECORD_BYTES = 1000
+SHARD_RECORDS = [25, 40, 7, 31]
+
+
+class ManifestOnly:
+    """What the sampler reads of a dataset: its length and its manifest's shard sizes."""
+
+    def __init__(self, shard_records: list[int]) -> None:
+        shards = [ShardInfo(f"shard-{i:05d}.lmdb", n, n * RECORD_BYTES, "") for i, n in
+                  enumerate(shard_records)]
+        self.manifest = Manifest(storage="lmdb", encoding="raw", shape=[3, 8, 8], classes=["a"],
+                                 shards=shards, transform={}, source={}, tool_version="test")
+
+    def __len__(self) -> int:
+        return self.manifest.num_records
+
+
+DATASET = ManifestOnly(SHARD_RECORDS)
+N = sum(SHARD_RECORDS)
+
+
+@pytest.mark.parametrize("order", ["sequential", "random", "quasi_random"])
+def test_every_record_once_per_epoch(order):
+    sampler = ShardSampler(DATASET, order=order, seed=3)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        assert len(sampler) == N
+        assert sorted(sampler) == list(range(N))
+
+
+def test_sequential_is_dataset_order():
+    assert list(ShardSampler(DATASET, order="sequential")) == list(range(N))
+
+
+def block_starts_of(block_records: int) -> np.ndarray:
+    """First record of every block when each shard is cut into blocks of ``block_records``."""
+    shard_starts = np.cumsum([0, *SHARD_RECORDS])
+    return np.concatenate([np.arange(a, b, block_records)
+                           for a, b in zip(shard_starts[:-1], shard_starts[1:])])
+
+
+def windows_of(order: list[int], block_records: int, buffer_blocks: int) -> list[list[int]]:
+    """Cut an epoch order into its windows: runs made of ``buffer_blocks`` whole blocks."""
+    starts = block_starts_of(block_records)
+    sizes = np.diff(np.append(starts, N))
+    block_of = np.searchsorted(starts, order, side="right") - 1
+    windows, position = [], 0
+    while position < N:
+        members = list(dict.fromkeys(block_of[position:].tolist()))[:buffer_blocks]
+        length = int(sizes[members].sum())
+        assert set(block_of[position:position + length].tolist()) == set(members)
+        windows.append(order[position:position + length])
+        position += length
+    return windows
+
+
+def test_quasi_random_blocks_stay_in_one_shard():
+    """With a one-block buffer, the order is whole blocks of ~block_bytes, each inside one shard."""
+    sampler = ShardSampler(DATASET, seed=1, block_bytes=10 * RECORD_BYTES, buffer_blocks=1)
+    windows = windows_of(list(sampler), block_records=10, buffer_blocks=1)
+    assert len(windows) == len(block_starts_of(10))
+    first_records = [min(w) for w in windows]
+    assert first_records != sorted(first_records)
+    for window in windows:
+        assert sorted(window) == list(range(min(window), min(window) + len(window)))
+
+
+def test_quasi_random_shuffles_within_buffer():
+    sampler = ShardSampler(DATASET, seed=2, block_bytes=10 * RECORD_BYTES, buffer_blocks=4)
+    windows = windows_of(list(sampler), block_records=10, buffer_blocks=4)
+    assert len(windows) == -(-len(block_starts_of(10)) // 4)
+    assert all(window != sorted(window) for window in windows)
+
+
+@pytest.mark.parametrize("order", ["random", "quasi_random"])
+def test_seed_and_epoch_determine_the_order(order):
+    def epoch_order(seed: int, epoch: int) -> list[int]:
+        sampler = ShardSampler(DATASET, order=order, seed=seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert epoch_order(0, 0) == epoch_order(0, 0)
+    assert epoch_order(0, 0) != epoch_order(0, 1)
+    assert epoch_order(0, 1) != epoch_order(1, 1)
+
+
+@pytest.mark.parametrize("order", ["sequential", "quasi_random"])
+def test_ranks_pad_to_equal_contiguous_slices(order):
+    world = 3
+    samplers = [ShardSampler(DATASET, order=order, seed=5, rank=r, world_size=world)
+                for r in range(world)]
+    per_rank = -(-N // world)
+    slices = [list(s) for s in samplers]
+    assert all(len(s) == per_rank == len(sampler) for s, sampler in zip(slices, samplers))
+    epoch_order = samplers[0].epoch_order()
+    assert sum(slices, []) == np.resize(epoch_order, per_rank * world).tolist()
+    assert set(sum(slices, [])) == set(range(N))
+    assert len(sum(slices, [])) - N == per_rank * world - N
+
+
+def test_ranks_without_padding_drop_the_tail():
+    world = 4
+    slices = [list(ShardSampler(DATASET, seed=5, rank=r, world_size=world, pad=False))
+              for r in range(world)]
+    assert all(len(s) == N // world for s in slices)
+    flat = sum(slices, [])
+    assert len(set(flat)) == len(flat) == N // world * world
+
+
+def test_tiny_dataset_pads_every_rank():
+    dataset = ManifestOnly([2])
+    slices = [list(ShardSampler(dataset, rank=r, world_size=5)) for r in range(5)]
+    assert [len(s) for s in slices] == [1] * 5
+    assert set(sum(slices, [])) == {0, 1}
+
+
+def test_rank_defaults_follow_torch_distributed(tmp_path):
+    assert (ShardSampler(DATASET).rank, ShardSampler(DATASET).world_size) == (0, 1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
+    try:
+        sampler = ShardSampler(DATASET)
+        assert (sampler.rank, sampler.world_size) == (0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_resume_skips_what_was_consumed():
+    uninterrupted = ShardSampler(DATASET, seed=9, rank=1, world_size=2)
+    uninterrupted.set_epoch(4)
+    full = list(uninterrupted)
+    state = uninterrupted.state_dict()
+    state["start"] = 20
+    resumed = ShardSampler(DATASET, seed=0, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    assert state == {"epoch": 4, "seed": 9, "order": "quasi_random", "start": 20}
+    assert len(resumed) == len(full) - 20
+    resumed.set_epoch(4)
+    assert list(resumed) == full[20:]
+    resumed.set_epoch(5)
+    assert resumed.start == 0 and len(list(resumed)) == len(full)
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="order"):
+        ShardSampler(DATASET, order="shuffled")
+    with pytest.raises(ValueError, match="rank"):
+        ShardSampler(DATASET, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="order"):
+        ShardSampler(DATASET).load_state_dict({"epoch": 0, "seed": 0, "order": "random", "start": 0})
+
+
+def test_real_dataset_blocks_from_shard_bytes(tmp_path: Path):
+    images = make_images(30, [(16, 16)])
+    write_dataset(tmp_path, images, [0] * 30, storage="hdf5", encoding="raw", records_per_shard=12)
+    ds = PackedDataset(tmp_path)
+    sampler = ShardSampler(ds, seed=1, block_bytes=4 * 3 * 16 * 16, buffer_blocks=2)
+    assert sorted(sampler) == list(range(30))
