@@ -1,0 +1,137 @@
+"""make_loader: batches equal the dataset's records, under fork and spawn workers, resumable."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reader import PackedDataset, make_loader
+from reader.loader import PackedLoader
+from reader_helpers import make_images, write_dataset
+
+COUNT = 37
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def raw_path(tmp_path_factory) -> Path:
+    dst = tmp_path_factory.mktemp("raw")
+    write_dataset(dst, make_images(COUNT, [(16, 24)]), [i % 3 for i in range(COUNT)],
+                  storage="lmdb", encoding="raw", records_per_shard=15)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def jpeg_path(tmp_path_factory) -> Path:
+    dst = tmp_path_factory.mktemp("jpeg")
+    write_dataset(dst, make_images(COUNT, [(16, 24)]), [i % 3 for i in range(COUNT)],
+                  storage="hdf5", encoding="jpeg", records_per_shard=15)
+    return dst
+
+
+def collect(loader: PackedLoader) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    images, labels = [], []
+    for batch_images, batch_labels in loader:
+        images.append(batch_images)
+        labels.append(batch_labels)
+    return images, labels
+
+
+def assert_batches_match_records(ds: PackedDataset, loader: PackedLoader) -> None:
+    """Every yielded row equals ``ds[i]`` for the sampler's indices, in order, each record once."""
+    images, labels = collect(loader)
+    indices = loader.shard_sampler.rank_order()
+    flat_images = torch.cat(images)
+    assert flat_images.dtype == torch.uint8 and flat_images.shape == (COUNT, 3, 16, 24)
+    assert torch.cat(labels).dtype == torch.int64
+    assert torch.cat(labels).tolist() == ds.targets[indices].tolist()
+    assert sorted(indices.tolist()) == list(range(COUNT))
+    for row, i in zip(flat_images, indices.tolist()):
+        assert torch.equal(row, ds[i][0])
+
+
+def test_in_process_loader(raw_path):
+    ds = PackedDataset(raw_path)
+    loader = make_loader(ds, BATCH, num_workers=0, order="random", seed=1)
+    assert len(loader) == -(-COUNT // BATCH)
+    assert_batches_match_records(ds, loader)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_worker_processes(raw_path, jpeg_path, context):
+    for path in (raw_path, jpeg_path):
+        ds = PackedDataset(path)
+        ds[0]
+        loader = make_loader(ds, BATCH, num_workers=2, seed=2, multiprocessing_context=context)
+        assert loader.persistent_workers
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            assert_batches_match_records(ds, loader)
+
+
+def test_epochs_differ_and_seed_repeats(raw_path):
+    ds = PackedDataset(raw_path)
+
+    def run_epoch(seed: int, epoch: int) -> tuple[list[int], list[int]]:
+        loader = make_loader(ds, BATCH, num_workers=0, order="random", seed=seed)
+        loader.set_epoch(epoch)
+        labels = torch.cat(collect(loader)[1]).tolist()
+        return loader.shard_sampler.rank_order().tolist(), labels
+
+    order, labels = run_epoch(4, 1)
+    assert labels == ds.targets[order].tolist()
+    assert run_epoch(4, 1) == (order, labels)
+    assert run_epoch(4, 0)[0] != order
+
+
+def test_loader_reads_whole_batches(raw_path, monkeypatch):
+    def no_single_items(self, index):
+        raise AssertionError("the loader must call __getitems__, not __getitem__")
+
+    monkeypatch.setattr(PackedDataset, "__getitem__", no_single_items)
+    loader = make_loader(PackedDataset(raw_path), BATCH, num_workers=0)
+    assert sum(len(labels) for _, labels in loader) == COUNT
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch_equals_uninterrupted(raw_path, num_workers):
+    ds = PackedDataset(raw_path)
+    uninterrupted = make_loader(ds, BATCH, num_workers=num_workers, seed=7, drop_last=True)
+    uninterrupted.set_epoch(3)
+    expected, _ = collect(uninterrupted)
+
+    first = make_loader(ds, BATCH, num_workers=num_workers, seed=7, drop_last=True)
+    first.set_epoch(3)
+    batches = iter(first)
+    seen = [next(batches)[0] for _ in range(2)]
+    state = first.state_dict()
+    assert state == {"epoch": 3, "seed": 7, "order": "quasi_random", "start": 2 * BATCH}
+
+    resumed = make_loader(ds, BATCH, num_workers=num_workers, seed=0, drop_last=True)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(3)
+    assert len(resumed) == len(expected) - 2
+    rest, _ = collect(resumed)
+    assert len(seen) + len(rest) == len(expected)
+    for got, want in zip(seen + rest, expected):
+        assert torch.equal(got, want)
+    assert resumed.state_dict()["start"] == len(expected) * BATCH
+
+
+def test_ranks_get_equal_batches(raw_path):
+    ds = PackedDataset(raw_path)
+    loaders = [make_loader(ds, BATCH, num_workers=0, rank=r, world_size=2) for r in range(2)]
+    labels = [torch.cat(collect(loader)[1]) for loader in loaders]
+    assert len(labels[0]) == len(labels[1]) == -(-COUNT // 2)
+    indices = np.concatenate([loader.shard_sampler.rank_order() for loader in loaders])
+    assert set(indices.tolist()) == set(range(COUNT))
+
+
+def test_jpeg_loader_yields_batches(jpeg_path):
+    ds = PackedDataset(jpeg_path)
+    images, labels = next(iter(make_loader(ds, BATCH, num_workers=0, order="sequential")))
+    assert images.shape == (BATCH, 3, 16, 24) and labels.tolist() == ds.targets[:BATCH].tolist()
+    for row, i in zip(images, range(BATCH)):
+        assert torch.equal(row, ds[i][0])
