@@ -31,10 +31,18 @@ class FixedShapeDataset(Protocol):
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Bytes free on ``device``: the CUDA driver's figure, or the host's available RAM for the CPU."""
+    """Bytes free on ``device``: the CUDA driver's figure, or for the CPU the RAM the kernel reports
+    as available (``MemAvailable``: free pages plus reclaimable page cache)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
