@@ -1,0 +1,9 @@
+"""Pack an image folder once into LMDB or HDF5 shards of pre-transformed images (``pack``), and
+inspect (``info``) or check (``verify``) a packed dataset. ``packer`` on the command line."""
+from packer.errors import PackError
+from packer.inspection import DatasetInfo, info
+from packer.pack import pack
+from packer.verification import VerifyReport, verify
+from packer.version import __version__
+
+__all__ = ["DatasetInfo", "PackError", "VerifyReport", "__version__", "info", "pack", "verify"]

@@ -1,0 +1,175 @@
+"""The ``packer`` command line: a thin layer over ``packer.pack``, ``packer.info`` and ``packer.verify``.
+
+Errors the user can fix (bad input files, options, destination) print as one line and exit with
+status 1, without a traceback.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+
+from packer.errors import PackError
+from packer.inspection import DatasetInfo, describe_transform, info
+from packer.pack import ON_ERROR, pack
+from packer.transforms import DEFAULT_MAX_PIXELS
+from packer.verification import verify
+from packer.version import __version__
+from reader.format import ENCODINGS, STORAGES, FormatError, Manifest
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SHOWN_SKIPPED = 10
+
+
+class ByteSize(click.ParamType):
+    """A byte count with an optional unit: ``1000000``, ``512MB``, ``1.5GiB`` (KB = 1000, KiB = 1024)."""
+
+    name = "size"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in _UNITS:
+            self.fail(f"{value!r} is not a size such as 512MB, 1GiB or 1000000", param, ctx)
+        return int(float(match.group(1)) * _UNITS[unit])
+
+
+class ImageSize(click.ParamType):
+    """``N`` (one number) or ``WxH``."""
+
+    name = "N|WxH"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int | tuple[int, int]:
+        if isinstance(value, (int, tuple)):
+            return value
+        text = str(value).strip().lower()
+        if re.fullmatch(r"[1-9]\d*", text):
+            return int(text)
+        match = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", text)
+        if not match:
+            self.fail(f"{value!r} is not a size: give N or WxH, e.g. 256 or 320x240", param, ctx)
+        return int(match.group(1)), int(match.group(2))
+
+
+@click.group()
+@click.version_option(__version__, prog_name="packer")
+def main() -> None:
+    """Pack an image folder once into LMDB or HDF5 shards; inspect and verify packed datasets."""
+
+
+@main.command("pack")
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--labels", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="CSV of path,label rows (paths relative to SRC) instead of class sub-folders.")
+@click.option("--format", "storage", type=click.Choice(STORAGES), default="lmdb", show_default=True,
+              help="Shard container.")
+@click.option("--resize", type=ImageSize(), help="Shorter side to N (aspect kept), or exactly WxH.")
+@click.option("--crop", type=ImageSize(), help="Center crop to N x N or WxH, after the resize.")
+@click.option("--encoding", type=click.Choice(ENCODINGS), default="raw", show_default=True,
+              help="raw: uint8 CHW pixels; jpeg: baseline JPEG.")
+@click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True,
+              help="JPEG quality (with --encoding jpeg).")
+@click.option("--shard-size", type=ByteSize(), default="512MiB", show_default=True,
+              help="Payload bytes per shard, e.g. 512MB or 1GiB.")
+@click.option("--workers", type=click.IntRange(min=0), help="Processes [default: all cores; 0 = in-process].")
+@click.option("--on-error", type=click.Choice(ON_ERROR), default="fail", show_default=True,
+              help="fail: stop at the first unreadable image; skip: leave it out and list it.")
+@click.option("--force", is_flag=True, help="Overwrite a finished dataset, or pack into a non-empty DST.")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=DEFAULT_MAX_PIXELS, show_default=True,
+              help="Images with more pixels are refused as decompression bombs.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def pack_command(src: Path, dst: Path, labels: Path | None, storage: str,
+                 resize: int | tuple[int, int] | None, crop: int | tuple[int, int] | None,
+                 encoding: str, quality: int, shard_size: int, workers: int | None, on_error: str,
+                 force: bool, max_pixels: int, quiet: bool) -> None:
+    """Pack the images under SRC (one sub-folder per class, or --labels) into the dataset DST."""
+    try:
+        manifest = pack(src, dst, labels=labels, storage=storage, resize=resize, crop=crop,
+                        encoding=encoding, quality=quality, shard_size=shard_size, workers=workers,
+                        on_error=on_error, force=force, progress=not quiet, max_pixels=max_pixels)
+    except (PackError, FormatError) as e:
+        raise click.ClickException(str(e)) from None
+    _print_pack_summary(dst, manifest)
+
+
+@main.command("info")
+@click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def info_command(dataset: Path, as_json: bool) -> None:
+    """Show what the packed DATASET holds and how it was made."""
+    try:
+        summary = info(dataset)
+    except FormatError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(summary.to_dict(), indent=2))
+    else:
+        _print_info(summary)
+
+
+@main.command("verify")
+@click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--deep", is_flag=True, help="Also read back and decode every record.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def verify_command(dataset: Path, deep: bool, quiet: bool) -> None:
+    """Check every shard of DATASET against its manifest (checksums, record tables; --deep: records)."""
+    try:
+        report = verify(dataset, deep=deep, progress=not quiet)
+    except FormatError as e:
+        raise click.ClickException(str(e)) from None
+    for problem in report.problems:
+        click.echo(f"error: {problem}", err=True)
+    checked = f"{report.shards} shards, {report.records} records, {_megabytes(report.bytes)}"
+    if not report.ok:
+        raise click.ClickException(f"{dataset}: {len(report.problems)} problems in {checked}")
+    click.echo(f"ok: {dataset}: {checked}{' (deep: every record read back)' if deep else ''}")
+
+
+def _print_pack_summary(dst: Path, manifest: Manifest) -> None:
+    skipped = manifest.source["skipped"]
+    click.echo(
+        f"packed {manifest.num_records} images into {len(manifest.shards)} {manifest.storage} shards "
+        f"({_megabytes(manifest.total_bytes)}) at {dst}"
+    )
+    if skipped:
+        click.echo(f"skipped {len(skipped)} files:")
+        for entry in skipped[:_SHOWN_SKIPPED]:
+            click.echo(f"  {entry['path']}: {entry['reason']}")
+        if len(skipped) > _SHOWN_SKIPPED:
+            click.echo(f"  ... and {len(skipped) - _SHOWN_SKIPPED} more (all listed by `packer info`)")
+
+
+def _print_info(summary: DatasetInfo) -> None:
+    classes = ", ".join(summary.classes[:5]) + (", ..." if len(summary.classes) > 5 else "")
+    encoding = summary.encoding + (f" (quality {summary.jpeg_quality})" if summary.jpeg_quality else "")
+    source = summary.source
+    rows = [
+        ("dataset", summary.path),
+        ("records", f"{summary.records} in {len(summary.classes)} classes ({classes})"),
+        ("shards", f"{summary.shards} {summary.storage} files, {_megabytes(summary.bytes_on_disk)} on disk"),
+        ("encoding", encoding),
+        ("shape", "variable (no crop)" if summary.shape is None else "x".join(map(str, summary.shape))),
+        ("transform", describe_transform(summary.transform)),
+        ("source", f"{source.get('kind')} {source.get('root')}: {source.get('files')} files, "
+                   f"{source.get('packed')} packed, {len(summary.skipped)} skipped"),
+        ("tool", f"packer {summary.tool_version}, format version {summary.format_version}"),
+    ]
+    for key, value in rows:
+        click.echo(f"{key:<10} {value}")
+    for entry in summary.skipped:
+        click.echo(f"  skipped {entry['path']}: {entry['reason']}")
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+# Commands defined in other modules are registered below.

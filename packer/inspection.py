@@ -1,0 +1,74 @@
+"""``info()``: what a packed dataset holds, from its manifest and the shard files on disk."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from reader.format import MANIFEST_NAME, load_manifest
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """A summary of a packed dataset. ``bytes_on_disk`` counts the shard files present and the manifest."""
+
+    path: str
+    storage: str
+    encoding: str
+    jpeg_quality: int | None
+    shape: list[int] | None
+    records: int
+    classes: list[str]
+    shards: int
+    bytes_on_disk: int
+    transform: dict[str, Any]
+    source: dict[str, Any]
+    tool_version: str
+    format_version: int
+
+    @property
+    def skipped(self) -> list[dict[str, str]]:
+        return list(self.source.get("skipped", []))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (``packer info --json``)."""
+        return asdict(self)
+
+
+def info(path: str | os.PathLike) -> DatasetInfo:
+    """Read ``path/manifest.json`` and size the files; raises ``FormatError`` when it is not a dataset."""
+    root = Path(path)
+    manifest = load_manifest(root)
+    files = [root / MANIFEST_NAME] + [root / s.file for s in manifest.shards]
+    return DatasetInfo(
+        path=str(root.resolve()),
+        storage=manifest.storage,
+        encoding=manifest.encoding,
+        jpeg_quality=manifest.jpeg_quality,
+        shape=manifest.shape,
+        records=manifest.num_records,
+        classes=list(manifest.classes),
+        shards=len(manifest.shards),
+        bytes_on_disk=sum(f.stat().st_size for f in files if f.is_file()),
+        transform=manifest.transform,
+        source=manifest.source,
+        tool_version=manifest.tool_version,
+        format_version=manifest.format_version,
+    )
+
+
+def describe_transform(transform: dict[str, Any]) -> str:
+    """One line for people: the resize, filter and crop a manifest's ``transform`` records."""
+    parts = []
+    resize = transform.get("resize")
+    if resize and "shorter_side" in resize:
+        parts.append(f"resize shorter side to {resize['shorter_side']}")
+    elif resize:
+        parts.append("resize to {}x{}".format(*resize["size"]))
+    if resize:
+        parts.append(f"{transform.get('filter')}{' antialiased' if transform.get('antialias') else ''}")
+    crop = transform.get("crop")
+    if crop:
+        parts.append("center crop {}x{}".format(*crop["size"]))
+    return ", ".join(parts) or "none (original sizes)"

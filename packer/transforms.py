@@ -1,0 +1,274 @@
+"""The pre-transform: what the packer does to each image, once, before storing it.
+
+Steps, in this order (recorded in the manifest's ``transform`` as ``steps``):
+
+1. **open** the file with PIL. More than ``max_pixels`` pixels is a decompression bomb and an error.
+2. **draft** (JPEG only, when resizing): ask libjpeg for a reduced-DCT decode at the largest scale
+   (1/2, 1/4, 1/8) that still gives at least the final resize target. It only kicks in when the target
+   is at least 2x smaller than the stored image. The target is computed from the image as displayed,
+   so an EXIF rotation of 90/270 degrees swaps the requested width and height.
+3. **exif_transpose**: apply the EXIF orientation tag (the transposes ``ImageOps.exif_transpose``
+   applies).
+4. **to_rgb**, the colour rule, giving RGB uint8:
+   - modes with alpha (RGBA, RGBa, LA, La, PA) and images with a transparency key (P, L or RGB with
+     ``transparency``) are composited onto white;
+   - 16-bit greyscale (I;16, I;16B, I;16L, I;16N) is scaled by ``>> 8``; 32-bit integer (I) is clipped
+     to 0..65535 first; float (F) is clipped to 0..255 and rounded; all three are then grey RGB;
+   - every other mode (CMYK, YCbCr, LAB, HSV, 1, L, P) goes through PIL's ``convert("RGB")``.
+5. **resize**, when asked: either the shorter side to N with the aspect kept (the longer side is
+   ``int(N * long / short)``, as torchvision), or to exactly W x H; bilinear filter, antialiased when
+   downscaling (PIL's ``resize``).
+6. **center_crop**, when asked, to W x H with torchvision's rounding
+   (``top = int(round((h - ch) / 2.0))``); an image smaller than the crop is padded with black on both
+   sides, as torchvision does.
+7. **encode**: ``raw`` is the uint8 pixels channel-major ``(3, H, W)``; ``jpeg`` is a baseline 4:2:0
+   JFIF JPEG at the given quality.
+"""
+from __future__ import annotations
+
+import io
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import simplejpeg
+from PIL import Image
+
+from reader.format import ENCODINGS
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+DEFAULT_MAX_PIXELS = int(Image.MAX_IMAGE_PIXELS or 0)
+STEPS = ("open", "draft", "exif_transpose", "to_rgb", "resize", "center_crop", "encode")
+COLOUR_RULES = {
+    "alpha": "RGBA, RGBa, LA, La, PA and images with a transparency key are composited onto white",
+    "16-bit": "I;16, I;16B, I;16L, I;16N are scaled by >> 8 to grey",
+    "I": "clipped to 0..65535, then >> 8 to grey",
+    "F": "clipped to 0..255 and rounded to grey",
+    "other": "PIL convert('RGB') (CMYK, YCbCr, LAB, HSV, 1, L, P)",
+}
+
+_ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
+_WHITE = (255, 255, 255)
+_EXIF_ORIENTATION = 0x0112
+# EXIF orientation -> the transpose that shows the image upright (ImageOps.exif_transpose's table);
+# orientations 5 to 8 swap width and height.
+_ORIENTATION_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+_TURBO_COLOURSPACES = {"RGB": "RGB", "L": "GRAY"}
+
+
+@dataclass(frozen=True)
+class TransformSpec:
+    """What to do to every image.
+
+    ``resize``: None, an int (shorter side to N, aspect kept) or ``(width, height)`` (exact size).
+    ``crop``: None, an int (square) or ``(width, height)``: a center crop applied after the resize.
+    ``max_pixels``: images larger than this are refused as decompression bombs.
+    """
+
+    resize: int | tuple[int, int] | None = None
+    crop: int | tuple[int, int] | None = None
+    encoding: str = "raw"
+    quality: int = 90
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    def __post_init__(self) -> None:
+        _check_size("resize", self.resize)
+        _check_size("crop", self.crop)
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"encoding {self.encoding!r} is not one of {', '.join(ENCODINGS)}")
+        if not 1 <= self.quality <= 100:
+            raise ValueError(f"quality {self.quality} is not between 1 and 100")
+        if self.max_pixels < 1:
+            raise ValueError(f"max_pixels {self.max_pixels} must be positive")
+
+    @property
+    def crop_size(self) -> tuple[int, int] | None:
+        """The crop as ``(width, height)``, or None."""
+        return _as_pair(self.crop)
+
+    @property
+    def fixed_size(self) -> tuple[int, int] | None:
+        """``(width, height)`` every output has, when the spec fixes it (a crop or an exact resize)."""
+        if self.crop is not None:
+            return self.crop_size
+        if isinstance(self.resize, tuple):
+            return self.resize
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """The spec as the manifest's ``transform`` object: the steps, their parameters and the rules."""
+        if self.resize is None:
+            resize = None
+        elif isinstance(self.resize, int):
+            resize = {"shorter_side": self.resize}
+        else:
+            resize = {"size": list(self.resize)}
+        crop = self.crop_size
+        return {
+            "steps": list(STEPS),
+            "max_pixels": self.max_pixels,
+            "draft": "JPEG reduced-DCT decode when the resize target is at least 2x smaller",
+            "exif_transpose": True,
+            "colour": dict(COLOUR_RULES),
+            "resize": resize,
+            "filter": "bilinear",
+            "antialias": True,
+            "crop": None if crop is None else {"size": list(crop), "rounding": "torchvision", "pad": 0},
+            "encoding": self.encoding,
+        }
+
+
+def resize_target(width: int, height: int, resize: int | tuple[int, int] | None) -> tuple[int, int]:
+    """The size an image of ``width x height`` is resized to (torchvision's rule for the shorter side)."""
+    if resize is None:
+        return width, height
+    if isinstance(resize, tuple):
+        return resize
+    if width <= height:
+        return resize, int(resize * height / width)
+    return int(resize * width / height), resize
+
+
+def center_crop_box(width: int, height: int, crop: tuple[int, int]) -> tuple[int, int, int, int]:
+    """The ``(left, top, right, bottom)`` box of a torchvision center crop; negative means padding."""
+    crop_width, crop_height = crop
+    left = _crop_start(width, crop_width)
+    top = _crop_start(height, crop_height)
+    return left, top, left + crop_width, top + crop_height
+
+
+def load_image(path: str | Path, spec: TransformSpec) -> Image.Image:
+    """Open ``path`` and apply the steps up to the crop: an RGB image of the final size.
+
+    Raises whatever PIL raises for a bad file (``OSError``, ``SyntaxError``, ...), the
+    ``DecompressionBombWarning`` (as an error) or ``DecompressionBombError`` for an image larger than
+    ``max_pixels``, and ``ValueError`` for a zero-size image; the caller turns these into file errors.
+    """
+    data = Path(path).read_bytes()
+    with _pixel_limit(spec.max_pixels), Image.open(io.BytesIO(data)) as img:
+        width, height = img.size
+        if width == 0 or height == 0:
+            raise ValueError(f"zero-size image ({width}x{height})")
+        orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+        rotated = orientation in _ORIENTATION_TRANSPOSE and orientation >= 5
+        target = resize_target(*((height, width) if rotated else (width, height)), spec.resize)
+        draft = None if spec.resize is None else (target[1], target[0]) if rotated else target
+        out = _decode(img, data, draft)
+        if orientation in _ORIENTATION_TRANSPOSE:
+            out = out.transpose(_ORIENTATION_TRANSPOSE[orientation])
+        out = to_rgb(out)
+        if out.size != target:
+            out = out.resize(target, Image.BILINEAR)
+        if spec.crop is not None:
+            out = out.crop(center_crop_box(*out.size, spec.crop_size))
+        return img.copy() if out is img else out
+
+
+def _decode(img: Image.Image, data: bytes, draft: tuple[int, int] | None) -> Image.Image:
+    """The pixels of the opened ``img`` (whose file bytes are ``data``), at a reduced JPEG scale
+    when ``draft`` asks for it.
+
+    A JPEG that PIL reads as RGB or L is decoded straight from its bytes by libjpeg-turbo (simplejpeg),
+    at exactly the scale PIL's ``draft`` would pick: the same pixels as PIL, without PIL's chunked
+    decoding and RGB-to-RGBX unpacking. When simplejpeg reports any problem with the data, PIL decodes
+    it instead and has the last word on whether the file is readable.
+    """
+    if img.format == "JPEG" and img.mode in _TURBO_COLOURSPACES:
+        scale = _draft_scale(img.size, draft)
+        width, height = (-(-img.width // scale), -(-img.height // scale))
+        try:
+            pixels = simplejpeg.decode_jpeg(
+                data, colorspace=_TURBO_COLOURSPACES[img.mode], min_width=width, min_height=height
+            )
+        except ValueError:
+            pixels = None
+        if pixels is not None and pixels.shape[:2] == (height, width):
+            return Image.fromarray(pixels[:, :, 0] if img.mode == "L" else pixels)
+    if img.format == "JPEG" and draft is not None:
+        img.draft("RGB", draft)
+    img.load()
+    return img
+
+
+def _draft_scale(size: tuple[int, int], draft: tuple[int, int] | None) -> int:
+    """The JPEG scale denominator PIL's ``draft`` picks: the largest of 8, 4, 2 leaving ``draft`` whole."""
+    if draft is None:
+        return 1
+    fits = min(size[0] // draft[0], size[1] // draft[1])
+    return next((s for s in (8, 4, 2) if fits >= s), 1)
+
+
+@contextmanager
+def _pixel_limit(max_pixels: int) -> Iterator[None]:
+    """PIL's decompression-bomb limit set to ``max_pixels``, its warning raised as an error."""
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """The colour rule (see the module docstring): any PIL mode to RGB uint8."""
+    if img.mode == "RGB" and "transparency" not in img.info:
+        return img
+    if img.mode in _ALPHA_MODES or "transparency" in img.info:
+        rgba = img.convert("LA").convert("RGBA") if img.mode == "La" else img.convert("RGBA")
+        background = Image.new("RGB", img.size, _WHITE)
+        background.paste(rgba, mask=rgba)
+        return background
+    if img.mode.startswith("I;16") or img.mode == "I":
+        pixels = np.clip(np.asarray(img), 0, 65535).astype(np.uint32) >> 8
+        return _grey_to_rgb(pixels.astype(np.uint8))
+    if img.mode == "F":
+        return _grey_to_rgb(np.rint(np.clip(np.asarray(img), 0, 255)).astype(np.uint8))
+    return img.convert("RGB")
+
+
+def encode(img: Image.Image, encoding: str, quality: int) -> bytes:
+    """The record payload of an RGB image: channel-major raw pixels, or a baseline 4:2:0 JPEG."""
+    if encoding == "raw":
+        return np.asarray(img).transpose(2, 0, 1).tobytes()
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=quality, subsampling="4:2:0", optimize=False, progressive=False)
+    return out.getvalue()
+
+
+def _grey_to_rgb(pixels: np.ndarray) -> Image.Image:
+    return Image.fromarray(pixels).convert("RGB")
+
+
+def _crop_start(size: int, crop: int) -> int:
+    if crop > size:
+        return -((crop - size) // 2)
+    return int(round((size - crop) / 2.0))
+
+
+def _as_pair(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    if isinstance(size, int):
+        return size, size
+    return size
+
+
+def _check_size(name: str, size: object) -> None:
+    pair_ok = isinstance(size, tuple) and len(size) == 2 and all(map(_is_positive_int, size))
+    if size is not None and not _is_positive_int(size) and not pair_ok:
+        raise ValueError(f"{name} {size!r} must be a positive int or a (width, height) pair of them")
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

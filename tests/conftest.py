@@ -1,0 +1,52 @@
+"""Shared fixtures: small real image folders written with PIL, and packed datasets made from them."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from PIL import Image
+
+import packer
+from pack_helpers import smooth_rgb
+
+
+@pytest.fixture
+def make_image_folder() -> Callable[..., Path]:
+    """Factory: ``make_image_folder(root, classes=("cat", "dog"), per_class=3, size=(40, 30), ext="png")``
+    writes an ImageFolder tree of smooth RGB images (each a few pixels larger than the one before) and
+    returns ``root``."""
+
+    def make(
+        root: Path,
+        classes: tuple[str, ...] = ("cat", "dog"),
+        per_class: int = 3,
+        size: tuple[int, int] = (40, 30),
+        ext: str = "png",
+    ) -> Path:
+        seed = 0
+        for name in classes:
+            (root / name).mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                img = Image.fromarray(smooth_rgb(size[0] + 3 * i, size[1] + 2 * i, seed), "RGB")
+                img.save(root / name / f"{i:03d}.{ext}", **({"quality": 95} if ext in ("jpg", "jpeg") else {}))
+                seed += 1
+        return root
+
+    return make
+
+
+@pytest.fixture
+def make_packed_dataset(make_image_folder: Callable[..., Path]) -> Callable[..., Path]:
+    """Factory: ``make_packed_dataset(tmp_path, per_class=3, size=(40, 30), **pack_options)`` packs a
+    two-class folder (in-process, no progress bar) into ``tmp_path / "packed"`` and returns it."""
+
+    def make(tmp_path: Path, per_class: int = 3, size: tuple[int, int] = (40, 30), **options: object) -> Path:
+        src = make_image_folder(tmp_path / "images", per_class=per_class, size=size)
+        dst = tmp_path / "packed"
+        options.setdefault("workers", 0)
+        options.setdefault("progress", False)
+        packer.pack(src, dst, **options)
+        return dst
+
+    return make
