@@ -2,7 +2,7 @@
 inspect (``info``) or check (``verify``) a packed dataset. ``packer`` on the command line."""
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, info
-from packer.pack import pack
+from packer.packing import pack
 from packer.verification import VerifyReport, verify
 from packer.version import __version__
 

@@ -13,7 +13,7 @@ import click
 
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, describe_transform, info
-from packer.pack import ON_ERROR, pack
+from packer.packing import ON_ERROR, pack
 from packer.transforms import DEFAULT_MAX_PIXELS
 from packer.verification import verify
 from packer.version import __version__
@@ -43,6 +43,9 @@ class ImageSize(click.ParamType):
     """``N`` (one number) or ``WxH``."""
 
     name = "N|WxH"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return self.name
 
     def convert(
         self, value: object, param: click.Parameter | None, ctx: click.Context | None
@@ -172,4 +175,4 @@ def _megabytes(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-# Commands defined in other modules are registered below.
+# ---- Commands defined in other modules, registered here (one line each) ----

@@ -84,6 +84,7 @@ def describe_failure(error: Exception) -> str:
         return "not an image, or an unsupported image format"
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
         return f"unreadable file ({error.strerror})"
-    if "truncated" in message or "broken data stream" in message or isinstance(error, EOFError):
+    lowered = message.lower()
+    if "truncated" in lowered or "broken data stream" in lowered or isinstance(error, EOFError):
         return f"truncated or corrupt image ({message or type(error).__name__})"
     return f"cannot decode image ({type(error).__name__}: {message})"

@@ -1,0 +1,100 @@
+"""The ``packer`` command line through click's CliRunner: pack, info --json, verify, and its errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from click.testing import CliRunner
+
+from packer.cli import ByteSize, ImageSize, main
+from reader.format import load_manifest
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_pack_info_verify(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
+    src = make_image_folder(tmp_path / "src", per_class=3)
+    dst = tmp_path / "out"
+    code, out, _ = run("pack", src, dst, "--resize", "24", "--crop", "20x16", "--format", "hdf5",
+                       "--encoding", "jpeg", "--quality", "85", "--shard-size", "2KB", "--workers", "0", "--quiet")
+    assert code == 0, out
+    manifest = load_manifest(dst)
+    assert out.startswith(f"packed 6 images into {len(manifest.shards)} hdf5 shards")
+    assert manifest.shape == [3, 16, 20] and manifest.jpeg_quality == 85 and len(manifest.shards) > 1
+
+    code, out, _ = run("info", dst, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["records"] == 6 and data["classes"] == ["cat", "dog"] and data["storage"] == "hdf5"
+
+    code, out, _ = run("info", dst)
+    assert code == 0 and "6 in 2 classes (cat, dog)" in out and "center crop 20x16" in out
+
+    code, out, _ = run("verify", dst, "--deep", "--quiet")
+    assert code == 0 and out.startswith(f"ok: {dst}: {len(manifest.shards)} shards, 6 records")
+
+
+def test_errors_are_one_line_without_traceback(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
+    src = make_image_folder(tmp_path / "src", per_class=1)
+    (src / "cat" / "broken.png").write_text("not a png")
+    code, _, err = run("pack", src, tmp_path / "out", "--workers", "0", "--quiet")
+    assert code == 1
+    assert err == f"Error: {src / 'cat' / 'broken.png'}: not an image, or an unsupported image format\n"
+
+
+def test_skip_prints_a_summary(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
+    src = make_image_folder(tmp_path / "src", per_class=1)
+    (src / "cat" / "broken.png").write_text("not a png")
+    code, out, _ = run("pack", src, tmp_path / "out", "--on-error", "skip", "--workers", "0", "--quiet")
+    assert code == 0
+    assert "packed 2 images" in out
+    assert "skipped 1 files:\n  cat/broken.png: not an image" in out
+    code, out, _ = run("info", tmp_path / "out")
+    assert "1 skipped" in out and "skipped cat/broken.png" in out
+
+
+def test_existing_dataset_needs_force(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
+    src = make_image_folder(tmp_path / "src", per_class=1)
+    dst = tmp_path / "out"
+    assert run("pack", src, dst, "--workers", "0", "--quiet")[0] == 0
+    code, _, err = run("pack", src, dst, "--workers", "0", "--quiet")
+    assert code == 1 and "already holds a finished packed dataset" in err and "--force" in err
+    assert run("pack", src, dst, "--workers", "0", "--quiet", "--force")[0] == 0
+
+
+def test_verify_fails_naming_the_shard(tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> None:
+    dst = make_packed_dataset(tmp_path)
+    shard = dst / load_manifest(dst).shards[0].file
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 1
+    shard.write_bytes(bytes(data))
+    code, _, err = run("verify", dst, "--quiet")
+    assert code == 1
+    assert f"error: {shard.name}: checksum mismatch" in err and "1 problems" in err
+
+
+def test_info_on_a_non_dataset_is_an_error(tmp_path: Path) -> None:
+    code, _, err = run("info", tmp_path)
+    assert code == 1 and "no manifest.json" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("1000", 1000), ("512MB", 512 * 10**6), ("1GiB", 2**30), ("1.5kib", 1536), ("64 KB", 64000)],
+)
+def test_byte_sizes(text: str, size: int) -> None:
+    assert ByteSize().convert(text, None, None) == size
+
+
+def test_image_sizes_and_bad_values() -> None:
+    assert ImageSize().convert("256", None, None) == 256
+    assert ImageSize().convert("320x240", None, None) == (320, 240)
+    code, _, err = run("pack", ".", "out", "--resize", "0")
+    assert code == 2 and "is not a size" in err
+    code, _, err = run("pack", ".", "out", "--shard-size", "12 parsecs")
+    assert code == 2 and "is not a size" in err
