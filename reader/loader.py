@@ -1,8 +1,10 @@
 """``make_loader``: a DataLoader over a ``PackedDataset`` that moves whole batches, and can resume.
 
 The DataLoader hands each worker a list of indices; the worker calls ``PackedDataset.__getitems__``
-(which reads the batch in a few coalesced reads) and the identity collate passes the batch through.
-Workers are persistent, so shard descriptors and buffers stay warm from one epoch to the next.
+(which reads the batch in a few coalesced reads) and the collate function passes the batch through.
+Workers are persistent, so shard descriptors and batch buffers stay warm from one epoch to the next.
+Batch buffers are shared-memory slots that go back to their worker once the batch is no longer used
+in the main process (``reader.batch_memory``), so no batch pays for fresh pages.
 """
 from __future__ import annotations
 
@@ -11,16 +13,13 @@ from typing import Iterator
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from reader.batch_memory import SlotReleaser, enable_handoff, hand_over
 from reader.dataset import PackedDataset
 from reader.sampler import DEFAULT_BLOCK_BYTES, DEFAULT_BUFFER_BLOCKS, ShardSampler
 
 MAX_DEFAULT_WORKERS = 8
-
-
-def identity_collate(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dataset already returns a collated batch (module level, so it pickles under spawn)."""
-    return batch
 
 
 def default_num_workers() -> int:
@@ -30,16 +29,23 @@ def default_num_workers() -> int:
     return max(1, min(MAX_DEFAULT_WORKERS, cores // max(ranks_here, 1)))
 
 
+Batch = tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]
+
+
 class PackedLoader(DataLoader):
     """A DataLoader that counts the batches it yields, so that ``state_dict()`` can resume mid-epoch.
 
     ``set_epoch(e)`` selects the epoch's order (call it before each epoch); ``state_dict()`` after
     any batch, then ``load_state_dict()`` on a new loader, yields exactly the batches the first
-    loader would have yielded next.
+    loader would have yielded next. With ``pin_batches`` each batch is copied into pinned memory in
+    the iterating thread (torch's caching host allocator reuses those blocks), which also frees its
+    shared-memory slot at once.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, pin_batches: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._pin_batches = pin_batches
+        self._releaser = SlotReleaser()
         self._yielded = 0
         self._epoch_start = self.shard_sampler.start
 
@@ -63,12 +69,41 @@ class PackedLoader(DataLoader):
         self._yielded = 0
         self._epoch_start = self.shard_sampler.start
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         self._yielded = 0
         self._epoch_start = self.shard_sampler.start
+        self._releaser.release_unused()
         for images, labels in super().__iter__():
+            if self._pin_batches:
+                images, labels = _pinned(images), labels.pin_memory()
+            self._releaser.release_unused()
             self._yielded += len(labels)
             yield images, labels
+
+    def _get_iterator(self) -> object:
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        return _ReleasingIterator(self, self._releaser)
+
+
+class _ReleasingIterator(_MultiProcessingDataLoaderIter):
+    """Shows every batch received from a worker to the ``SlotReleaser``, including the batches the
+    DataLoader drops when an epoch is cut short, so that no slot stays marked as in use."""
+
+    def __init__(self, loader: PackedLoader, releaser: SlotReleaser) -> None:
+        self._releaser = releaser
+        super().__init__(loader)
+
+    def _try_get_data(self, *args, **kwargs):
+        success, data = super()._try_get_data(*args, **kwargs)
+        if success:
+            self._releaser.track(data[1])
+        return success, data
+
+
+def _pinned(images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    return [image.pin_memory() for image in images] if isinstance(images, list) else images.pin_memory()
 
 
 def make_loader(
@@ -92,8 +127,9 @@ def make_loader(
 
     Order, seed, rank, world_size, pad, block_bytes and buffer_blocks go to ``ShardSampler``.
     ``num_workers`` defaults to ``default_num_workers()`` (0 reads in the calling process);
-    ``prefetch_factor`` (batches in flight per worker) to 2; ``pin_memory`` to whether CUDA is
-    available. ``multiprocessing_context`` ("fork", "spawn", "forkserver") is passed to the DataLoader.
+    ``prefetch_factor`` (batches in flight per worker) to 2; ``pin_memory`` (batches copied to pinned
+    memory before they are yielded) to whether CUDA is available. ``multiprocessing_context``
+    ("fork", "spawn", "forkserver") is passed to the DataLoader.
     """
     sampler = ShardSampler(dataset, order=order, seed=seed, rank=rank, world_size=world_size,
                            pad=pad, block_bytes=block_bytes, buffer_blocks=buffer_blocks)
@@ -101,10 +137,11 @@ def make_loader(
     return PackedLoader(
         dataset,
         batch_sampler=BatchSampler(sampler, batch_size, drop_last),
-        collate_fn=identity_collate,
+        collate_fn=hand_over,
+        worker_init_fn=enable_handoff,
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=(2 if prefetch_factor is None else prefetch_factor) if workers > 0 else None,
-        pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+        pin_batches=torch.cuda.is_available() if pin_memory is None else pin_memory,
         multiprocessing_context=multiprocessing_context,
     )

@@ -199,3 +199,19 @@ def test_fast_decode_option_stays_close_to_pil(tmp_path, images):
             reference = chw(np.asarray(Image.open(io.BytesIO(f.read(size))).convert("RGB")))
         for ds, tolerance in ((accurate, 0.5), (fast, 3)):
             assert np.abs(ds[i][0].numpy().astype(np.int16) - reference).mean() < tolerance
+
+
+def test_batch_buffers_are_reused_only_once_dropped(packed, images):
+    path, encoding = packed
+    ds = PackedDataset(path)
+    first, _ = ds.__getitems__([0, 1, 2])
+    kept = first.clone()
+    second, _ = ds.__getitems__([3, 4, 5])
+    assert second.data_ptr() != first.data_ptr()
+    assert torch.equal(first, kept)
+    address = second.data_ptr()
+    del second
+    third, _ = ds.__getitems__([6, 7, 8])
+    assert third.data_ptr() == address
+    for row, i in zip(third, [6, 7, 8]):
+        assert_close(row, images[i], encoding)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from reader import PackedDataset, make_loader
+from reader import PackedDataset, batch_memory, make_loader
 from reader.loader import PackedLoader
 from reader_helpers import make_images, write_dataset
 
@@ -134,4 +134,36 @@ def test_jpeg_loader_yields_batches(jpeg_path):
     images, labels = next(iter(make_loader(ds, BATCH, num_workers=0, order="sequential")))
     assert images.shape == (BATCH, 3, 16, 24) and labels.tolist() == ds.targets[:BATCH].tolist()
     for row, i in zip(images, range(BATCH)):
+        assert torch.equal(row, ds[i][0])
+
+
+def test_worker_batches_reuse_shared_slots(raw_path):
+    """Batches come back in a few recycled shared-memory slots, even when epochs are cut short."""
+    ds = PackedDataset(raw_path)
+    loader = make_loader(ds, 4, num_workers=2, order="random", multiprocessing_context="fork")
+    for epoch in range(6):
+        loader.set_epoch(epoch)
+        if epoch % 2:
+            next(iter(loader))
+            continue
+        seen = 0
+        for images, labels in loader:
+            assert batch_memory._trailer_of(images) is not None
+            for row, i in zip(images, labels):
+                assert ds.targets[loader.shard_sampler.rank_order()[seen]] == i
+                assert torch.equal(row, ds[int(loader.shard_sampler.rank_order()[seen])][0])
+                seen += 1
+        assert seen == COUNT
+    assert len(loader._releaser._trailers) <= 2 * batch_memory.MAX_SLOTS
+
+
+def test_batches_kept_alive_are_never_overwritten(raw_path, monkeypatch):
+    """Holding more batches than a worker's pool has slots falls back to fresh memory, intact."""
+    monkeypatch.setattr(batch_memory, "MAX_SLOTS", 2)
+    ds = PackedDataset(raw_path)
+    loader = make_loader(ds, 2, num_workers=2, order="sequential", multiprocessing_context="fork")
+    images, labels = collect(loader)
+    flat = torch.cat(images)
+    assert torch.cat(labels).tolist() == ds.targets.tolist()
+    for i, row in enumerate(flat):
         assert torch.equal(row, ds[i][0])

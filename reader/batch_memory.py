@@ -1,0 +1,161 @@
+"""Batch buffers that are reused instead of freshly allocated, also across the DataLoader worker boundary.
+
+Why: a fresh 38 MB batch (256 raw 224x224 images) is ~9,400 new pages, and faulting in a new page
+costs 2-6 us on the virtual machines this was measured on: 20-50 ms per batch, five to ten times the
+cost of reading the batch itself. Reusing buffers whose pages are already mapped removes that cost.
+
+Three cases, picked per process:
+
+- Main process (``num_workers=0``): a small pool of private buffers; a buffer is reused once no tensor
+  refers to it any more (its storage's reference count is back to the pool's own).
+- DataLoader worker started by ``make_loader`` (``enable_handoff`` is its ``worker_init_fn``): a
+  small pool of shared-memory *slots*. Each slot ends with a trailer holding a magic tag and a state
+  byte. ``hand_over`` (the collate function, run in the worker) marks a filled slot ``SENT``; the
+  DataLoader passes the slot's file descriptor to the main process, which maps the same pages (torch
+  keeps one mapping per slot while ``SlotReleaser`` holds it). On receipt the main process's
+  ``SlotReleaser`` marks the slot ``RECEIVED``; once nothing there refers to the batch any more it
+  writes ``FREE``, and the worker fills the slot again. (Releasing a ``SENT`` slot would be wrong:
+  its batch may still be in the pipe, unseen by the main process.)
+- Any other worker (a plain DataLoader): a fresh shared-memory buffer per batch, which the DataLoader
+  sends without a copy; nobody would tell the worker when a slot is free.
+
+A pool holds at most ``MAX_SLOTS`` buffers; past that (a consumer keeping many batches alive) batches
+get fresh memory, so memory stays bounded and nothing ever waits.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+MAX_SLOTS = 8
+MAGIC = b"packed-images\x00\x01\x02"
+TRAILER = 64
+STATE_BYTE = len(MAGIC)
+FREE, SENT, RECEIVED = 0, 1, 2
+_HEADROOM = 8  # new slots get 1/8 extra capacity, so slightly larger variable-size batches still fit
+
+
+class _Slot:
+    """One reusable buffer: ``capacity`` payload bytes followed by the trailer."""
+
+    def __init__(self, capacity: int, shared: bool) -> None:
+        self.tensor = _fresh(capacity + TRAILER, shared)
+        self.capacity = capacity
+        trailer = self.tensor.numpy()[capacity:]
+        trailer[:STATE_BYTE] = np.frombuffer(MAGIC, dtype=np.uint8)
+        trailer[STATE_BYTE] = FREE
+
+    def is_free(self) -> bool:
+        """Free when marked so and no tensor but the slot's own refers to its memory."""
+        return _references(self.tensor) == 1 and self.tensor.numpy()[-TRAILER + STATE_BYTE] == FREE
+
+
+class _Pool:
+    def __init__(self, shared: bool) -> None:
+        self.shared = shared
+        self.slots: list[_Slot] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A ``uint8 [nbytes]`` view of a free slot, or of fresh memory when the pool is full."""
+        free = [slot for slot in self.slots if slot.is_free()]
+        fitting = [slot for slot in free if slot.capacity >= nbytes]
+        if fitting:
+            return min(fitting, key=lambda s: s.capacity).tensor[:nbytes]
+        if len(self.slots) >= MAX_SLOTS and free:
+            self.slots.remove(free[0])
+        if len(self.slots) < MAX_SLOTS:
+            slot = _Slot(nbytes + nbytes // _HEADROOM, self.shared)
+            self.slots.append(slot)
+            return slot.tensor[:nbytes]
+        return _fresh(nbytes, self.shared)
+
+
+_pool: _Pool | None = None
+_pool_pid: int | None = None
+_handoff_pid: int | None = None
+
+
+def new_batch(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised ``uint8`` tensor of ``shape`` for one batch, from this process's pool."""
+    global _pool, _pool_pid
+    nbytes = math.prod(shape)
+    pid = os.getpid()
+    in_worker = get_worker_info() is not None
+    if in_worker and _handoff_pid != pid:
+        return _fresh(nbytes, shared=True).view(shape)
+    if _pool_pid != pid:
+        _pool, _pool_pid = _Pool(shared=in_worker), pid
+    return _pool.take(nbytes).view(shape)
+
+
+def enable_handoff(worker_id: int) -> None:
+    """``worker_init_fn``: this worker's batches go to a main process that runs ``SlotReleaser``."""
+    global _handoff_pid
+    _handoff_pid = os.getpid()
+
+
+def hand_over(batch: tuple) -> tuple:
+    """Collate function run in the worker: mark the batch's slot as owned by the main process."""
+    if _handoff_pid == os.getpid():
+        trailer = _trailer_of(batch[0])
+        if trailer is not None:
+            trailer.numpy()[STATE_BYTE] = SENT
+    return batch
+
+
+class SlotReleaser:
+    """Main-process side: keeps each slot seen mapped, and frees it for its worker once unused."""
+
+    def __init__(self) -> None:
+        self._trailers: dict[int, torch.Tensor] = {}
+
+    def track(self, batch: object) -> None:
+        """Take over the slot behind a batch just received from a worker (anything else is ignored).
+
+        Called on receipt, before anything else can refer to the batch: a slot still marked ``SENT``
+        may be in flight, so only ``RECEIVED`` slots are ever released.
+        """
+        if not isinstance(batch, tuple) or not batch:
+            return
+        trailer = _trailer_of(batch[0])
+        if trailer is not None:
+            trailer.numpy()[STATE_BYTE] = RECEIVED
+            self._trailers.setdefault(trailer.data_ptr(), trailer)
+
+    def release_unused(self) -> None:
+        """Mark free every received slot that no tensor in this process refers to any more."""
+        for trailer in self._trailers.values():
+            if _references(trailer) == 1:
+                state = trailer.numpy()
+                if state[STATE_BYTE] == RECEIVED:
+                    state[STATE_BYTE] = FREE
+
+
+def _trailer_of(images: object) -> torch.Tensor | None:
+    """The trailer of the slot ``images`` lives in, or None when it is not in a slot."""
+    if isinstance(images, list):
+        images = images[0] if images else None
+    if not isinstance(images, torch.Tensor):
+        return None
+    storage = images.untyped_storage()
+    size = storage.nbytes()
+    if size < TRAILER:
+        return None
+    trailer = torch.empty(0, dtype=torch.uint8).set_(storage, size - TRAILER, (TRAILER,))
+    return trailer if trailer.numpy()[:STATE_BYTE].tobytes() == MAGIC else None
+
+
+def _references(tensor: torch.Tensor) -> int:
+    """How many tensors share ``tensor``'s storage (the temporary storage object made here excluded)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1
+
+
+def _fresh(nbytes: int, shared: bool) -> torch.Tensor:
+    if not shared:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
