@@ -15,6 +15,7 @@ from tqdm import tqdm
 from packer.destination import JOURNAL_NAME, check_destination, remove_own_files
 from packer.errors import PackError
 from packer.journal import Journal, plan_fingerprint, resume_journal
+from packer.malloc_tuning import reuse_large_allocations
 from packer.pipeline import Failure, encode_in_order
 from packer.shard_sequence import ShardSequence
 from packer.sources import Plan, Skipped, scan_source
@@ -92,6 +93,7 @@ def _write_records(
     progress: bool,
 ) -> None:
     """Encode the plan from the journal's resume position on and append it, in order, to shards."""
+    reuse_large_allocations()
     start = journal.resume_position
     shards = ShardSequence(
         dst, storage, shard_size, len(journal.shards), lambda info, end: journal.add_shard(info, end, dst)
@@ -108,7 +110,7 @@ def _write_records(
                 else:
                     shards.add(result, int(plan.labels[position]), position)
                 bar.update()
-            shards.close_shard(len(plan))
+            shards.finish(len(plan))
         except BaseException:
             shards.abort()
             raise

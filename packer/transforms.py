@@ -64,7 +64,7 @@ _ORIENTATION_TRANSPOSE = {
     7: Image.Transpose.TRANSVERSE,
     8: Image.Transpose.ROTATE_90,
 }
-_TURBO_COLOURSPACES = {"RGB": "RGB", "L": "GRAY"}
+_TURBO_COLOURSPACES = {"RGB": "RGBX", "L": "GRAY"}
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,8 @@ def load_image(path: str | Path, spec: TransformSpec) -> Image.Image:
             out = out.resize(target, Image.BILINEAR)
         if spec.crop is not None:
             out = out.crop(center_crop_box(*out.size, spec.crop_size))
+        if out.mode == "RGBX":
+            return out.convert("RGB")
         return img.copy() if out is img else out
 
 
@@ -181,8 +183,9 @@ def _decode(img: Image.Image, data: bytes, draft: tuple[int, int] | None) -> Ima
 
     A JPEG that PIL reads as RGB or L is decoded straight from its bytes by libjpeg-turbo (simplejpeg),
     at exactly the scale PIL's ``draft`` would pick: the same pixels as PIL, without PIL's chunked
-    decoding and RGB-to-RGBX unpacking. When simplejpeg reports any problem with the data, PIL decodes
-    it instead and has the last word on whether the file is readable.
+    decoding. Colour comes out as RGBX, PIL's own memory layout for RGB, wrapped without a copy; the
+    caller turns it into RGB once the image is small. When simplejpeg reports any problem with the
+    data, PIL decodes it instead and has the last word on whether the file is readable.
     """
     if img.format == "JPEG" and img.mode in _TURBO_COLOURSPACES:
         scale = _draft_scale(img.size, draft)
@@ -194,7 +197,8 @@ def _decode(img: Image.Image, data: bytes, draft: tuple[int, int] | None) -> Ima
         except ValueError:
             pixels = None
         if pixels is not None and pixels.shape[:2] == (height, width):
-            return Image.fromarray(pixels[:, :, 0] if img.mode == "L" else pixels)
+            mode = "L" if img.mode == "L" else "RGBX"
+            return Image.frombuffer(mode, (width, height), pixels, "raw", mode, 0, 1)
     if img.format == "JPEG" and draft is not None:
         img.draft("RGB", draft)
     img.load()
@@ -223,8 +227,12 @@ def _pixel_limit(max_pixels: int) -> Iterator[None]:
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
-    """The colour rule (see the module docstring): any PIL mode to RGB uint8."""
-    if img.mode == "RGB" and "transparency" not in img.info:
+    """The colour rule (see the module docstring): any PIL mode to RGB uint8.
+
+    RGBX (PIL's in-memory layout of RGB, as the fast JPEG decode delivers it) is left as it is: the
+    caller converts it to RGB once the image has been resized and cropped.
+    """
+    if img.mode in ("RGB", "RGBX") and "transparency" not in img.info:
         return img
     if img.mode in _ALPHA_MODES or "transparency" in img.info:
         rgba = img.convert("LA").convert("RGBA") if img.mode == "La" else img.convert("RGBA")
@@ -242,7 +250,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
 def encode(img: Image.Image, encoding: str, quality: int) -> bytes:
     """The record payload of an RGB image: channel-major raw pixels, or a baseline 4:2:0 JPEG."""
     if encoding == "raw":
-        return np.asarray(img).transpose(2, 0, 1).tobytes()
+        return b"".join(img.tobytes("raw", band) for band in "RGB")  # one plane per channel: (3, H, W)
     out = io.BytesIO()
     img.save(out, format="JPEG", quality=quality, subsampling="4:2:0", optimize=False, progressive=False)
     return out.getvalue()
