@@ -26,10 +26,12 @@ def is_own_file(name: str) -> bool:
 
 def check_destination(dst: Path, force: bool) -> None:
     """Refuse a DST that holds a finished dataset or someone else's files, unless ``force``."""
-    if not dst.exists() or force:
+    if not dst.exists():
         return
     if not dst.is_dir():
         raise PackError(f"{dst}: destination exists and is not a directory")
+    if force:
+        return
     if (dst / MANIFEST_NAME).exists():
         raise PackError(f"{dst}: already holds a finished packed dataset; pass --force to overwrite it")
     foreign = sorted(entry.name for entry in dst.iterdir() if not is_own_file(entry.name))

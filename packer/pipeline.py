@@ -10,10 +10,12 @@ from __future__ import annotations
 import multiprocessing
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Iterator, NamedTuple, Sequence
 
 from PIL import Image
 
+from packer.errors import PackError
 from packer.transforms import TransformSpec, encode, load_image
 
 CHUNK_SIZE = 32
@@ -71,6 +73,10 @@ def encode_in_order(
                 yield from pending.popleft().result()
         while pending:
             yield from pending.popleft().result()
+    except BrokenProcessPool as e:
+        raise PackError(
+            f"an image-encoding worker process died ({e}); if it ran out of memory, use fewer workers"
+        ) from None
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
 

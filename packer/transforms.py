@@ -6,7 +6,9 @@ Steps, in this order (recorded in the manifest's ``transform`` as ``steps``):
 2. **draft** (JPEG only, when resizing): ask libjpeg for a reduced-DCT decode at the largest scale
    (1/2, 1/4, 1/8) that still gives at least the final resize target. It only kicks in when the target
    is at least 2x smaller than the stored image. The target is computed from the image as displayed,
-   so an EXIF rotation of 90/270 degrees swaps the requested width and height.
+   so an EXIF rotation of 90/270 degrees swaps the requested width and height. JPEGs that PIL reads
+   as RGB or L are decoded by libjpeg-turbo through simplejpeg at that same scale (PIL's pixels,
+   faster); PIL decodes everything else, and any JPEG simplejpeg reports a problem with.
 3. **exif_transpose**: apply the EXIF orientation tag (the transposes ``ImageOps.exif_transpose``
    applies).
 4. **to_rgb**, the colour rule, giving RGB uint8:
@@ -14,7 +16,8 @@ Steps, in this order (recorded in the manifest's ``transform`` as ``steps``):
      ``transparency``) are composited onto white;
    - 16-bit greyscale (I;16, I;16B, I;16L, I;16N) is scaled by ``>> 8``; 32-bit integer (I) is clipped
      to 0..65535 first; float (F) is clipped to 0..255 and rounded; all three are then grey RGB;
-   - every other mode (CMYK, YCbCr, LAB, HSV, 1, L, P) goes through PIL's ``convert("RGB")``.
+   - every other mode (CMYK, YCbCr, LAB, HSV, 1, L, P) goes through PIL's ``convert("RGB")`` (LAB
+     needs a PIL built with littlecms; without it a LAB file is reported as unreadable).
 5. **resize**, when asked: either the shorter side to N with the aspect kept (the longer side is
    ``int(N * long / short)``, as torchvision), or to exactly W x H; bilinear filter, antialiased when
    downscaling (PIL's ``resize``).
@@ -40,7 +43,7 @@ from PIL import Image
 from reader.format import ENCODINGS
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-DEFAULT_MAX_PIXELS = int(Image.MAX_IMAGE_PIXELS or 0)
+DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own default for Image.MAX_IMAGE_PIXELS
 STEPS = ("open", "draft", "exif_transpose", "to_rgb", "resize", "center_crop", "encode")
 COLOUR_RULES = {
     "alpha": "RGBA, RGBa, LA, La, PA and images with a transparency key are composited onto white",
