@@ -17,10 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import packer
 
-import packer  # noqa: E402  (after the path set-up, so the script runs from a checkout)
+ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = {
     "raw-lmdb": ("raw", "lmdb"),
