@@ -17,7 +17,7 @@ from packer.packing import ON_ERROR, pack
 from packer.transforms import DEFAULT_MAX_PIXELS
 from packer.verification import verify
 from packer.version import __version__
-from reader.format import ENCODINGS, STORAGES, FormatError, Manifest
+from reader.format import ENCODINGS, STORAGES, FormatError, Manifest, load_manifest
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -136,6 +136,47 @@ def verify_command(dataset: Path, deep: bool, quiet: bool) -> None:
     click.echo(f"ok: {dataset}: {checked}{' (deep: every record read back)' if deep else ''}")
 
 
+@main.command("bench")
+@click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--baseline", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The original image folder: also time an ImageFolder-style reader on it.")
+@click.option("--orders", default="quasi_random", show_default=True,
+              help="Comma-separated orders to time: sequential, random, quasi_random.")
+@click.option("--workers", "workers_list", default="2", show_default=True,
+              help="Comma-separated loader worker counts to time.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--model-ms", type=click.FloatRange(min=0), help="Simulate a training step of this many ms "
+              "and report the share of each step spent waiting for data.")
+@click.option("--cold", is_flag=True, help="Drop the page cache before every epoch (root only).")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write a bar chart of images/s to this PNG (needs matplotlib).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
+def bench_command(dataset: Path, baseline: Path | None, orders: str, workers_list: str, batch_size: int,
+                  epochs: int, model_ms: float | None, cold: bool, plot: Path | None,
+                  as_json: bool) -> None:
+    """Time reading DATASET per epoch: images/s, MB/s, first-batch latency, worker memory."""
+    from packer import bench
+
+    order_names = [o.strip() for o in orders.split(",") if o.strip()]
+    workers = [int(w) for w in workers_list.split(",") if w.strip()]
+    try:
+        results = bench.bench_packed(dataset, orders=order_names, workers=workers,
+                                     batch_size=batch_size, epochs=epochs, model_ms=model_ms, cold=cold)
+        if baseline is not None:
+            spec = bench.spec_from_manifest(load_manifest(dataset))
+            results += bench.bench_folder(baseline, spec, workers=workers, batch_size=batch_size,
+                                          epochs=epochs, model_ms=model_ms, cold=cold)
+        if plot is not None:
+            bench.plot(results, plot, title=f"packer bench {dataset.name} (batch {batch_size})")
+    except (FormatError, PackError, PermissionError, RuntimeError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(bench.as_json_rows(results), indent=2))
+    else:
+        click.echo(bench.format_table(results))
+
+
 def _print_pack_summary(dst: Path, manifest: Manifest) -> None:
     skipped = manifest.source["skipped"]
     click.echo(
@@ -173,6 +214,3 @@ def _print_info(summary: DatasetInfo) -> None:
 
 def _megabytes(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
-
-
-# ---- Commands defined in other modules, registered here (one line each) ----
