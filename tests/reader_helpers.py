@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+import packer
 from reader.format import Manifest, ShardInfo, file_checksum, open_shard_writer, shard_file_name
 
 CLASSES = ["cat", "dog", "eel"]
+JPEG_QUALITY = 95
 
 
 def make_images(count: int, sizes: list[tuple[int, int]], seed: int = 0) -> list[np.ndarray]:
@@ -26,9 +29,49 @@ def make_images(count: int, sizes: list[tuple[int, int]], seed: int = 0) -> list
     return images
 
 
-def jpeg_bytes(image: np.ndarray, quality: int = 95) -> bytes:
+@dataclass
+class Packed:
+    """A dataset packed by ``packer.pack``, with each record's source pixels (HWC) and label."""
+
+    path: Path
+    encoding: str
+    images: list[np.ndarray]
+    labels: list[int]
+
+
+def pack_images(
+    dst: Path,
+    images: list[np.ndarray],
+    labels: list[int],
+    *,
+    storage: str,
+    encoding: str,
+    records_per_shard: int,
+) -> Packed:
+    """Save ``images`` as PNG files in an ImageFolder tree (class ``CLASSES[label]``) and pack them.
+
+    Same-size images are packed with a crop to their size, so the manifest has a fixed shape; mixed
+    sizes give a variable-size dataset. Shards hold about ``records_per_shard`` records (exactly that
+    many for raw records). ImageFolder order is class, then file name, so record order is returned.
+    """
+    src = dst.with_name(dst.name + "-src")
+    for k, (image, label) in enumerate(zip(images, labels)):
+        path = src / CLASSES[label] / f"{k:04d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(path)
+    sizes = {image.shape for image in images}
+    h, w, _ = images[0].shape
+    record_bytes = 3 * h * w if encoding == "raw" else len(_jpeg_bytes(images[0]))
+    packer.pack(src, dst, storage=storage, encoding=encoding, quality=JPEG_QUALITY,
+                crop=(w, h) if len(sizes) == 1 else None, shard_size=records_per_shard * record_bytes,
+                workers=1, progress=False)
+    order = sorted(range(len(images)), key=lambda k: (labels[k], k))
+    return Packed(dst, encoding, [images[k] for k in order], [labels[k] for k in order])
+
+
+def _jpeg_bytes(image: np.ndarray) -> bytes:
     buf = io.BytesIO()
-    Image.fromarray(image).save(buf, "JPEG", quality=quality)
+    Image.fromarray(image).save(buf, "JPEG", quality=JPEG_QUALITY)
     return buf.getvalue()
 
 
@@ -41,7 +84,8 @@ def write_dataset(
     encoding: str,
     records_per_shard: int,
 ) -> Path:
-    """Write ``images`` (HWC) as a packed dataset through the format's writers; return ``dst``."""
+    """Write ``images`` (HWC) as records in exactly this order, through ``reader.format``'s shard
+    writers rather than the packer (for tests that need that order); return ``dst``."""
     dst.mkdir(parents=True, exist_ok=True)
     shards = []
     for first in range(0, len(images), records_per_shard):
@@ -49,17 +93,16 @@ def write_dataset(
         writer = open_shard_writer(storage, path)
         for image, label in zip(images[first:first + records_per_shard],
                                 labels[first:first + records_per_shard]):
-            payload = jpeg_bytes(image) if encoding == "jpeg" else image.transpose(2, 0, 1).tobytes()
+            payload = _jpeg_bytes(image) if encoding == "jpeg" else image.transpose(2, 0, 1).tobytes()
             writer.append(payload, label, image.shape[0], image.shape[1])
         writer.finish()
         shards.append(ShardInfo(file=path.name, records=writer.num_records, bytes=path.stat().st_size,
                                 checksum=file_checksum(path)))
     sizes = {image.shape for image in images}
-    shape = [3, *images[0].shape[:2]] if len(sizes) == 1 else None
     Manifest(
-        storage=storage, encoding=encoding, shape=shape, classes=CLASSES, shards=shards,
-        transform={}, source={"kind": "test"}, tool_version="test",
-        jpeg_quality=95 if encoding == "jpeg" else None,
+        storage=storage, encoding=encoding, shape=[3, *images[0].shape[:2]] if len(sizes) == 1 else None,
+        classes=CLASSES, shards=shards, transform={}, source={"kind": "test"}, tool_version="test",
+        jpeg_quality=JPEG_QUALITY if encoding == "jpeg" else None,
     ).write(dst)
     return dst
 

@@ -13,7 +13,7 @@ from PIL import Image
 import reader.shard_io
 from reader import PackedDataset
 from reader.format import FormatError
-from reader_helpers import CLASSES, chw, make_images, write_dataset
+from reader_helpers import CLASSES, Packed, chw, make_images, pack_images
 
 COUNT = 23
 SIZE = (24, 32)
@@ -30,12 +30,20 @@ def images() -> list[np.ndarray]:
 
 @pytest.fixture(scope="module", params=[("lmdb", "raw"), ("lmdb", "jpeg"), ("hdf5", "raw"), ("hdf5", "jpeg")],
                 ids=lambda p: "-".join(p))
-def packed(request, images, tmp_path_factory) -> tuple[Path, str]:
+def packed(request, images, tmp_path_factory) -> Packed:
     storage, encoding = request.param
-    dst = tmp_path_factory.mktemp(f"{storage}-{encoding}")
-    write_dataset(dst, images, labels_for(COUNT), storage=storage, encoding=encoding,
-                  records_per_shard=10)
-    return dst, encoding
+    dst = tmp_path_factory.mktemp(f"{storage}-{encoding}") / "packed"
+    return pack_images(dst, images, labels_for(COUNT), storage=storage, encoding=encoding,
+                       records_per_shard=10)
+
+
+def pack_one_shard(tmp_path: Path, images: list[np.ndarray], storage: str, encoding: str) -> Packed:
+    return pack_images(tmp_path / "packed", images, labels_for(len(images)), storage=storage,
+                       encoding=encoding, records_per_shard=len(images) + 1)
+
+
+def shard_bounds(ds: PackedDataset) -> list[int]:
+    return np.cumsum([0] + [s.records for s in ds.manifest.shards]).tolist()
 
 
 def assert_close(got: torch.Tensor, image: np.ndarray, encoding: str) -> None:
@@ -47,47 +55,44 @@ def assert_close(got: torch.Tensor, image: np.ndarray, encoding: str) -> None:
 
 
 def test_metadata(packed):
-    ds = PackedDataset(packed[0])
+    ds = PackedDataset(packed.path)
     assert len(ds) == COUNT
     assert ds.classes == CLASSES
     assert ds.class_to_idx == {"cat": 0, "dog": 1, "eel": 2}
     assert ds.targets.dtype == np.int64
-    assert ds.targets.tolist() == labels_for(COUNT)
-    assert ds.manifest.num_records == COUNT
+    assert ds.targets.tolist() == packed.labels
+    assert ds.manifest.num_records == COUNT and len(ds.manifest.shards) >= 2
 
 
-def test_items_round_trip(packed, images):
-    path, encoding = packed
-    ds = PackedDataset(path)
+def test_items_round_trip(packed):
+    ds = PackedDataset(packed.path)
     for i in (0, 9, 10, COUNT - 1, -1):
         image, label = ds[i]
         assert image.is_contiguous()
-        assert isinstance(label, int) and label == labels_for(COUNT)[i]
-        assert_close(image, images[i], encoding)
+        assert isinstance(label, int) and label == packed.labels[i]
+        assert_close(image, packed.images[i], packed.encoding)
 
 
-def test_batch_in_requested_order_across_shards(packed, images):
-    path, encoding = packed
-    ds = PackedDataset(path)
-    indices = [22, 3, 15, 3, 0, 9, 10, 19]
+def test_batch_in_requested_order_across_shards(packed):
+    ds = PackedDataset(packed.path)
+    last_of_first_shard = shard_bounds(ds)[1] - 1
+    indices = [22, 3, 15, 3, 0, last_of_first_shard, last_of_first_shard + 1, 19]
     batch, labels = ds.__getitems__(indices)
     assert batch.shape == (len(indices), 3, *SIZE) and batch.dtype == torch.uint8
     assert labels.dtype == torch.int64
-    assert labels.tolist() == [labels_for(COUNT)[i] for i in indices]
+    assert labels.tolist() == [packed.labels[i] for i in indices]
     for row, i in zip(batch, indices):
-        assert_close(row, images[i], encoding)
+        assert_close(row, packed.images[i], packed.encoding)
         assert torch.equal(row, ds[i][0])
 
 
 def test_jpeg_batch_is_channels_last(tmp_path, images):
-    write_dataset(tmp_path, images, labels_for(COUNT), storage="lmdb", encoding="jpeg",
-                  records_per_shard=COUNT)
-    batch, _ = PackedDataset(tmp_path).__getitems__([0, 1])
+    batch, _ = PackedDataset(pack_one_shard(tmp_path, images, "lmdb", "jpeg").path).__getitems__([0, 1])
     assert batch.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_each_shard_run_is_one_read(packed, images, monkeypatch):
-    """Neighbouring records are coalesced: a whole two-shard batch is one preadv per shard."""
+def test_each_shard_run_is_one_read(packed, monkeypatch):
+    """Neighbouring records are coalesced: a batch spanning two shards is one preadv per shard."""
     calls = []
     real_preadv = os.preadv
 
@@ -96,39 +101,40 @@ def test_each_shard_run_is_one_read(packed, images, monkeypatch):
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(reader.shard_io.os, "preadv", counting_preadv)
-    path, encoding = packed
-    indices = list(range(4, 16))[::-1]
-    batch, _ = PackedDataset(path).__getitems__(indices)
+    ds = PackedDataset(packed.path)
+    bounds = shard_bounds(ds)
+    indices = list(range(bounds[0] + 1, bounds[2]))[::-1]
+    batch, _ = ds.__getitems__(indices)
     assert len(calls) == 2
     for row, i in zip(batch, indices):
-        assert_close(row, images[i], encoding)
+        assert_close(row, packed.images[i], packed.encoding)
 
 
-def test_runs_split_at_iovec_limit(packed, images, monkeypatch):
+def test_runs_split_at_iovec_limit(packed, monkeypatch):
     monkeypatch.setattr(reader.shard_io, "IOV_MAX", 4)
-    path, encoding = packed
-    batch, _ = PackedDataset(path).__getitems__(list(range(COUNT)))
-    for row, image in zip(batch, images):
-        assert_close(row, image, encoding)
+    batch, _ = PackedDataset(packed.path).__getitems__(list(range(COUNT)))
+    for row, image in zip(batch, packed.images):
+        assert_close(row, image, packed.encoding)
 
 
 @pytest.mark.parametrize("storage", ["lmdb", "hdf5"])
 @pytest.mark.parametrize("encoding", ["raw", "jpeg"])
 def test_variable_size_records(tmp_path, storage, encoding):
     images = make_images(7, [(16, 24), (32, 16), (20, 20)], seed=1)
-    write_dataset(tmp_path, images, labels_for(7), storage=storage, encoding=encoding,
-                  records_per_shard=4)
-    ds = PackedDataset(tmp_path)
+    packed = pack_images(tmp_path / "packed", images, labels_for(7), storage=storage,
+                         encoding=encoding, records_per_shard=4)
+    ds = PackedDataset(packed.path)
     assert ds.manifest.shape is None
-    batch, labels = ds.__getitems__([6, 1, 4, 2])
-    assert isinstance(batch, list) and labels.tolist() == [labels_for(7)[i] for i in (6, 1, 4, 2)]
-    for image, i in zip(batch, [6, 1, 4, 2]):
-        assert_close(image, images[i], encoding)
-    assert_close(ds[5][0], images[5], encoding)
+    indices = [6, 1, 4, 2]
+    batch, labels = ds.__getitems__(indices)
+    assert isinstance(batch, list) and labels.tolist() == [packed.labels[i] for i in indices]
+    for image, i in zip(batch, indices):
+        assert_close(image, packed.images[i], encoding)
+    assert_close(ds[5][0], packed.images[5], encoding)
 
 
 def test_out_of_range_index(packed):
-    ds = PackedDataset(packed[0])
+    ds = PackedDataset(packed.path)
     with pytest.raises(IndexError):
         ds[COUNT]
     with pytest.raises(IndexError):
@@ -138,21 +144,20 @@ def test_out_of_range_index(packed):
 
 
 def test_truncated_shard_names_file_and_record(tmp_path, images):
-    write_dataset(tmp_path, images, labels_for(COUNT), storage="hdf5", encoding="raw",
-                  records_per_shard=10)
-    ds = PackedDataset(tmp_path)
-    shard = tmp_path / "shard-00001.h5"
-    os.truncate(shard, int(ds._offsets[15]) + 10)
+    packed = pack_images(tmp_path / "packed", images, labels_for(COUNT), storage="hdf5",
+                         encoding="raw", records_per_shard=10)
+    ds = PackedDataset(packed.path)
+    assert shard_bounds(ds)[:3] == [0, 10, 20]
+    os.truncate(packed.path / "shard-00001.h5", int(ds._offsets[15]) + 10)
     ds[10]
     with pytest.raises(FormatError, match=r"shard-00001\.h5.*record 15"):
         ds.__getitems__([10, 15])
 
 
 def test_corrupt_jpeg_names_file_and_record(tmp_path, images):
-    write_dataset(tmp_path, images, labels_for(COUNT), storage="hdf5", encoding="jpeg",
-                  records_per_shard=10)
-    ds = PackedDataset(tmp_path)
-    with open(tmp_path / "shard-00000.h5", "r+b") as f:
+    packed = pack_one_shard(tmp_path, images, "hdf5", "jpeg")
+    ds = PackedDataset(packed.path)
+    with open(packed.path / "shard-00000.h5", "r+b") as f:
         f.seek(int(ds._offsets[4]))
         f.write(b"\0" * 64)
     with pytest.raises(FormatError, match=r"shard-00000\.h5: record 4 .*not a valid JPEG"):
@@ -161,8 +166,7 @@ def test_corrupt_jpeg_names_file_and_record(tmp_path, images):
 
 def test_read_only_directory_stays_untouched(tmp_path, images):
     for storage in ("lmdb", "hdf5"):
-        dst = write_dataset(tmp_path / storage, images, labels_for(COUNT), storage=storage,
-                            encoding="raw", records_per_shard=10)
+        dst = pack_one_shard(tmp_path / storage, images, storage, "raw").path
         before = sorted(p.name for p in dst.iterdir())
         dst.chmod(0o555)
         try:
@@ -179,31 +183,29 @@ def test_no_open_files_after_init(packed):
         return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
                 if os.path.exists(f"/proc/self/fd/{fd}")}
 
-    path = packed[0]
-    ds = PackedDataset(path)
-    assert not any(name.startswith(str(path)) for name in open_files())
+    path = str(packed.path)
+    ds = PackedDataset(packed.path)
+    assert not any(name.startswith(path) for name in open_files())
     ds[0]
-    assert any(name.startswith(str(path)) for name in open_files())
+    assert any(name.startswith(path) for name in open_files())
     ds.close()
-    assert not any(name.startswith(str(path)) for name in open_files())
+    assert not any(name.startswith(path) for name in open_files())
 
 
 def test_fast_decode_option_stays_close_to_pil(tmp_path, images):
-    write_dataset(tmp_path, images, labels_for(COUNT), storage="hdf5", encoding="jpeg",
-                  records_per_shard=COUNT)
-    accurate, fast = PackedDataset(tmp_path, fast_decode=False), PackedDataset(tmp_path)
+    packed = pack_one_shard(tmp_path, images, "hdf5", "jpeg")
+    accurate, fast = PackedDataset(packed.path, fast_decode=False), PackedDataset(packed.path)
     for i in (0, 7):
         start, size = int(accurate._offsets[i]), int(accurate._nbytes[i])
-        with open(tmp_path / "shard-00000.h5", "rb") as f:
+        with open(packed.path / "shard-00000.h5", "rb") as f:
             f.seek(start)
             reference = chw(np.asarray(Image.open(io.BytesIO(f.read(size))).convert("RGB")))
         for ds, tolerance in ((accurate, 0.5), (fast, 3)):
             assert np.abs(ds[i][0].numpy().astype(np.int16) - reference).mean() < tolerance
 
 
-def test_batch_buffers_are_reused_only_once_dropped(packed, images):
-    path, encoding = packed
-    ds = PackedDataset(path)
+def test_batch_buffers_are_reused_only_once_dropped(packed):
+    ds = PackedDataset(packed.path)
     first, _ = ds.__getitems__([0, 1, 2])
     kept = first.clone()
     second, _ = ds.__getitems__([3, 4, 5])
@@ -214,4 +216,4 @@ def test_batch_buffers_are_reused_only_once_dropped(packed, images):
     third, _ = ds.__getitems__([6, 7, 8])
     assert third.data_ptr() == address
     for row, i in zip(third, [6, 7, 8]):
-        assert_close(row, images[i], encoding)
+        assert_close(row, packed.images[i], packed.encoding)

@@ -9,7 +9,7 @@ import torch
 
 from reader import PackedDataset, batch_memory, make_loader
 from reader.loader import PackedLoader
-from reader_helpers import make_images, write_dataset
+from reader_helpers import make_images, pack_images
 
 COUNT = 37
 BATCH = 8
@@ -17,18 +17,16 @@ BATCH = 8
 
 @pytest.fixture(scope="module")
 def raw_path(tmp_path_factory) -> Path:
-    dst = tmp_path_factory.mktemp("raw")
-    write_dataset(dst, make_images(COUNT, [(16, 24)]), [i % 3 for i in range(COUNT)],
-                  storage="lmdb", encoding="raw", records_per_shard=15)
-    return dst
+    dst = tmp_path_factory.mktemp("raw") / "packed"
+    return pack_images(dst, make_images(COUNT, [(16, 24)]), [i % 3 for i in range(COUNT)],
+                       storage="lmdb", encoding="raw", records_per_shard=15).path
 
 
 @pytest.fixture(scope="module")
 def jpeg_path(tmp_path_factory) -> Path:
-    dst = tmp_path_factory.mktemp("jpeg")
-    write_dataset(dst, make_images(COUNT, [(16, 24)]), [i % 3 for i in range(COUNT)],
-                  storage="hdf5", encoding="jpeg", records_per_shard=15)
-    return dst
+    dst = tmp_path_factory.mktemp("jpeg") / "packed"
+    return pack_images(dst, make_images(COUNT, [(16, 24)]), [i % 3 for i in range(COUNT)],
+                       storage="hdf5", encoding="jpeg", records_per_shard=15).path
 
 
 def collect(loader: PackedLoader) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

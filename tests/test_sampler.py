@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from reader import PackedDataset, ShardSampler
 from reader.format import Manifest, ShardInfo
-from reader_helpers import make_images, write_dataset
+from reader_helpers import make_images, pack_images
 
 RECORD_BYTES = 1000
 SHARD_RECORDS = [25, 40, 7, 31]
@@ -164,8 +164,8 @@ def test_invalid_arguments():
 
 
 def test_real_dataset_blocks_from_shard_bytes(tmp_path: Path):
-    images = make_images(30, [(16, 16)])
-    write_dataset(tmp_path, images, [0] * 30, storage="hdf5", encoding="raw", records_per_shard=12)
-    ds = PackedDataset(tmp_path)
+    packed = pack_images(tmp_path / "packed", make_images(30, [(16, 16)]), [0] * 30,
+                         storage="hdf5", encoding="raw", records_per_shard=12)
+    ds = PackedDataset(packed.path)
     sampler = ShardSampler(ds, seed=1, block_bytes=4 * 3 * 16 * 16, buffer_blocks=2)
     assert sorted(sampler) == list(range(30))
