@@ -89,7 +89,11 @@ class PackedLoader(DataLoader):
 
 class _ReleasingIterator(_MultiProcessingDataLoaderIter):
     """Shows every batch received from a worker to the ``SlotReleaser``, including the batches the
-    DataLoader drops when an epoch is cut short, so that no slot stays marked as in use."""
+    DataLoader drops when an epoch is cut short, so that no slot stays marked as in use.
+
+    This overrides a private DataLoader hook. Should a torch release rename it, slots are never
+    marked received, so workers fall back to fresh memory per batch: slower, still correct.
+    """
 
     def __init__(self, loader: PackedLoader, releaser: SlotReleaser) -> None:
         self._releaser = releaser
