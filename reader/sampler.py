@@ -24,11 +24,15 @@ Resume: ``start`` skips the first ``start`` samples of this rank's epoch order. 
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
+
+if TYPE_CHECKING:
+    from reader.dataset import PackedDataset
+    from reader.format import ShardInfo
 
 ORDERS = ("sequential", "random", "quasi_random")
 DEFAULT_BLOCK_BYTES = 8 << 20
@@ -45,7 +49,7 @@ class ShardSampler(Sampler[int]):
 
     def __init__(
         self,
-        dataset,
+        dataset: PackedDataset,
         order: str = "quasi_random",
         seed: int = 0,
         rank: int | None = None,
@@ -126,7 +130,7 @@ class ShardSampler(Sampler[int]):
         return _quasi_random(self._block_starts, self.num_records, self.buffer_blocks, rng)
 
 
-def _block_starts(shards, block_bytes: int) -> np.ndarray:
+def _block_starts(shards: list[ShardInfo], block_bytes: int) -> np.ndarray:
     """First record of every block: each shard is cut into blocks of about ``block_bytes``."""
     starts = []
     first = 0

@@ -165,3 +165,16 @@ def test_batches_kept_alive_are_never_overwritten(raw_path, monkeypatch):
     assert torch.cat(labels).tolist() == ds.targets.tolist()
     for i, row in enumerate(flat):
         assert torch.equal(row, ds[i][0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_pinned_batches_from_workers(raw_path):
+    ds = PackedDataset(raw_path)
+    loader = make_loader(ds, BATCH, num_workers=2, order="sequential", pin_memory=True)
+    seen = 0
+    for images, labels in loader:
+        assert images.is_pinned() and labels.is_pinned()
+        for row in images:
+            assert torch.equal(row, ds[seen][0])
+            seen += 1
+    assert seen == COUNT
