@@ -22,8 +22,11 @@ Steps, in this order (recorded in the manifest's ``transform`` as ``steps``):
    ``int(N * long / short)``, as torchvision), or to exactly W x H; bilinear filter, antialiased when
    downscaling (PIL's ``resize``).
 6. **center_crop**, when asked, to W x H with torchvision's rounding
-   (``top = int(round((h - ch) / 2.0))``); an image smaller than the crop is padded with black on both
-   sides, as torchvision does.
+   (``top = int(round((h - ch) / 2.0))``). With a resize, the two steps are fused: PIL resamples only
+   the source box that the crop keeps (``resize(crop_size, box=...)``), the same filter centred on the
+   same source points, so a third less work; filter weights are rounded per output size, which moves
+   about 1 pixel in 2,000 by one grey level against resize-then-crop. An image smaller than the crop
+   is padded with black on both sides, as torchvision does (resized in full, then cropped).
 7. **encode**: ``raw`` is the uint8 pixels channel-major ``(3, H, W)``; ``jpeg`` is a baseline 4:2:0
    JFIF JPEG at the given quality.
 """
@@ -127,7 +130,10 @@ class TransformSpec:
             "resize": resize,
             "filter": "bilinear",
             "antialias": True,
-            "crop": None if crop is None else {"size": list(crop), "rounding": "torchvision", "pad": 0},
+            "crop": None if crop is None else {
+                "size": list(crop), "rounding": "torchvision", "pad": 0,
+                "fused_with_resize": "only the kept source box is resampled",
+            },
             "encoding": self.encoding,
         }
 
@@ -151,6 +157,18 @@ def center_crop_box(width: int, height: int, crop: tuple[int, int]) -> tuple[int
     return left, top, left + crop_width, top + crop_height
 
 
+def resize_and_crop(img: Image.Image, target: tuple[int, int], crop: tuple[int, int] | None) -> Image.Image:
+    """Resize ``img`` to ``target`` then center-crop it to ``crop``, resampling only the kept box."""
+    box = None if crop is None else center_crop_box(*target, crop)
+    if box is None or box[0] < 0 or box[1] < 0 or box[2] > target[0] or box[3] > target[1]:
+        out = img if img.size == target else img.resize(target, Image.BILINEAR)
+        return out if box is None else out.crop(box)
+    if img.size == target:
+        return img.crop(box)
+    sx, sy = img.width / target[0], img.height / target[1]
+    return img.resize(crop, Image.BILINEAR, box=(box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy))
+
+
 def load_image(path: str | Path, spec: TransformSpec) -> Image.Image:
     """Open ``path`` and apply the steps up to the crop: an RGB image of the final size.
 
@@ -171,10 +189,7 @@ def load_image(path: str | Path, spec: TransformSpec) -> Image.Image:
         if orientation in _ORIENTATION_TRANSPOSE:
             out = out.transpose(_ORIENTATION_TRANSPOSE[orientation])
         out = to_rgb(out)
-        if out.size != target:
-            out = out.resize(target, Image.BILINEAR)
-        if spec.crop is not None:
-            out = out.crop(center_crop_box(*out.size, spec.crop_size))
+        out = resize_and_crop(out, target, spec.crop_size)
         if out.mode == "RGBX":
             return out.convert("RGB")
         return img.copy() if out is img else out

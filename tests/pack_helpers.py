@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from reader.format import load_manifest, read_record_table
 
@@ -20,6 +21,29 @@ def smooth_rgb(width: int, height: int, seed: int) -> np.ndarray:
         for _ in range(3)
     ]
     return np.clip(np.stack(channels, axis=-1), 0, 255).astype(np.uint8)
+
+
+def reference_pixels(
+    path: Path, resize: int, crop: int, draft: bool = False, fused: bool = True
+) -> np.ndarray:
+    """The documented transform written out with plain PIL calls: torchvision's shorter-side size and
+    center-crop rounding, bilinear. ``fused`` resamples only the crop's source box, as the packer
+    does; ``fused=False`` is the textbook resize-then-crop. ``draft`` asks PIL for the JPEG draft."""
+    img = Image.open(path)
+    width, height = img.size
+    if width <= height:
+        size = (resize, int(resize * height / width))
+    else:
+        size = (int(resize * width / height), resize)
+    if draft:
+        img.draft("RGB", size)
+    img = img.convert("RGB")
+    left, top = int(round((size[0] - crop) / 2.0)), int(round((size[1] - crop) / 2.0))
+    if not fused:
+        return np.asarray(img.resize(size, Image.BILINEAR).crop((left, top, left + crop, top + crop)))
+    sx, sy = img.width / size[0], img.height / size[1]
+    box = (left * sx, top * sy, (left + crop) * sx, (top + crop) * sy)
+    return np.asarray(img.resize((crop, crop), Image.BILINEAR, box=box))
 
 
 def read_packed_records(dst: Path) -> list[tuple[bytes, int, int, int]]:

@@ -10,19 +10,9 @@ import pytest
 from PIL import Image
 
 import packer
-from pack_helpers import raw_pixels, read_packed_records
+from pack_helpers import raw_pixels, read_packed_records, reference_pixels
 from packer.errors import PackError
 from reader.format import MANIFEST_NAME, load_manifest
-
-
-def reference(path: Path, resize: int, crop: int) -> np.ndarray:
-    """Shorter side to ``resize`` (torchvision's rule), bilinear, center crop, with plain PIL calls."""
-    img = Image.open(path).convert("RGB")
-    w, h = img.size
-    size = (resize, int(resize * h / w)) if w <= h else (int(resize * w / h), resize)
-    img = img.resize(size, Image.BILINEAR)
-    left, top = int(round((size[0] - crop) / 2.0)), int(round((size[1] - crop) / 2.0))
-    return np.asarray(img.crop((left, top, left + crop, top + crop)))
 
 
 @pytest.mark.parametrize("storage", ["lmdb", "hdf5"])
@@ -35,7 +25,7 @@ def test_raw_pixels_and_labels_equal_plain_pil(
     files = sorted(src.glob("*/*.png"))  # a_class first: classes are sorted
     assert [r[1] for r in records] == [0, 0, 0, 1, 1, 1]
     for record, path in zip(records, files, strict=True):
-        np.testing.assert_array_equal(raw_pixels(record), reference(path, 24, 20))
+        np.testing.assert_array_equal(raw_pixels(record), reference_pixels(path, 24, 20))
     assert manifest.classes == ["a_class", "b_class"]
     assert manifest.storage == storage and manifest.encoding == "raw" and manifest.shape == [3, 20, 20]
     assert manifest.num_records == 6
@@ -68,7 +58,7 @@ def test_jpeg_encoding(tmp_path: Path, make_image_folder: Callable[..., Path]) -
     for record, path in zip(read_packed_records(tmp_path / "out"), sorted(src.glob("*/*.png"))):
         decoded = Image.open(io.BytesIO(record[0]))
         assert decoded.format == "JPEG" and decoded.size == (20, 20)
-        diff = np.asarray(decoded).astype(int) - reference(path, 24, 20).astype(int)
+        diff = np.asarray(decoded).astype(int) - reference_pixels(path, 24, 20).astype(int)
         assert np.abs(diff).mean() < 3
 
 
@@ -83,7 +73,7 @@ def test_small_shard_size_splits_records_in_order(tmp_path: Path, make_image_fol
     records = read_packed_records(tmp_path / "out")
     assert [r[1] for r in records] == [0] * 5 + [1] * 5
     for record, path in zip(records, sorted(src.glob("*/*.png"))):
-        np.testing.assert_array_equal(raw_pixels(record), reference(path, 16, 16))
+        np.testing.assert_array_equal(raw_pixels(record), reference_pixels(path, 16, 16))
 
 
 def test_a_record_larger_than_the_shard_size_gets_a_shard_of_its_own(

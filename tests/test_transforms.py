@@ -16,23 +16,7 @@ from packer.transforms import (
     resize_target,
     to_rgb,
 )
-from pack_helpers import smooth_rgb
-
-
-def reference_pixels(path: Path, resize: int, crop: int, draft: bool = False) -> np.ndarray:
-    """The transform written out with plain PIL calls, torchvision's size and crop rules."""
-    img = Image.open(path)
-    width, height = img.size
-    if width <= height:
-        size = (resize, int(resize * height / width))
-    else:
-        size = (int(resize * width / height), resize)
-    if draft:
-        img.draft("RGB", size)
-    img = img.convert("RGB").resize(size, Image.BILINEAR)
-    left = int(round((size[0] - crop) / 2.0))
-    top = int(round((size[1] - crop) / 2.0))
-    return np.asarray(img.crop((left, top, left + crop, top + crop)))
+from pack_helpers import reference_pixels, smooth_rgb
 
 
 def test_resize_target_follows_torchvision_shorter_side_rule() -> None:
@@ -63,8 +47,20 @@ def test_jpeg_draft_equals_pil_draft_and_stays_close_to_full_decode(tmp_path: Pa
     Image.fromarray(smooth_rgb(256, 200, seed=5), "RGB").save(path, quality=95)
     out = np.asarray(load_image(path, TransformSpec(resize=48, crop=40)))
     np.testing.assert_array_equal(out, reference_pixels(path, 48, 40, draft=True))
-    full = reference_pixels(path, 48, 40, draft=False)
-    assert np.abs(out.astype(int) - full.astype(int)).mean() < 3
+    textbook = reference_pixels(path, 48, 40, draft=False, fused=False)
+    assert np.abs(out.astype(int) - textbook.astype(int)).mean() < 3
+
+
+def test_fused_resize_crop_is_within_one_level_of_resize_then_crop(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    for i, (w, h) in enumerate([(500, 375), (333, 500), (257, 256), (640, 480)]):
+        path = tmp_path / f"{i}.png"
+        noisy = smooth_rgb(w, h, seed=i).astype(int) + rng.integers(-20, 21, (h, w, 3))
+        Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8), "RGB").save(path)
+        out = np.asarray(load_image(path, TransformSpec(resize=256, crop=224))).astype(int)
+        textbook = reference_pixels(path, 256, 224, fused=False).astype(int)
+        diff = np.abs(out - textbook)
+        assert diff.max() <= 1 and (diff > 0).mean() < 0.01
 
 
 def test_greyscale_jpeg_becomes_grey_rgb(tmp_path: Path) -> None:
