@@ -2,8 +2,9 @@
 
 Keys are 8-byte big-endian record numbers, so they sort in record order and are written with
 ``append=True``. Values are the record payloads. The table is stored as ``.npy`` bytes under
-``TABLE_KEY``, which sorts after every record key. Each payload is an LMDB overflow-page run, which
-LMDB never moves once committed: the table records its byte offset in the file.
+``TABLE_KEY``, which sorts after every record key, and records each payload's byte offset in the file
+as LMDB's map held it after the last record commit. Why those offsets stay true although the table's
+own commit follows (large payloads never move; a copied leaf page is never overwritten): FORMAT.md.
 """
 from __future__ import annotations
 
