@@ -2,7 +2,9 @@
 
 The DataLoader hands each worker a list of indices; the worker calls ``PackedDataset.__getitems__``
 (which reads the batch in a few coalesced reads) and the collate function passes the batch through.
-Workers are persistent, so shard descriptors and batch buffers stay warm from one epoch to the next.
+Workers are persistent, so shard descriptors and batch buffers stay warm from one epoch to the next,
+and their prefetch runs on into the next epoch (``reader.batch_stream``), so an epoch does not start
+with a stall.
 Batch buffers are shared-memory slots that go back to their worker once the batch is no longer used
 in the main process (``reader.batch_memory``), so no batch pays for fresh pages.
 """
@@ -12,10 +14,11 @@ import os
 from typing import Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over
+from reader.batch_stream import BatchStream
 from reader.dataset import PackedDataset
 from reader.sampler import DEFAULT_BLOCK_BYTES, DEFAULT_BUFFER_BLOCKS, ShardSampler
 
@@ -40,6 +43,15 @@ class PackedLoader(DataLoader):
     loader would have yielded next. With ``pin_batches`` each batch is copied into pinned memory in
     the iterating thread (torch's caching host allocator reuses those blocks), which also frees its
     shared-memory slot at once.
+
+    Epochs: each ``for`` loop yields the sampler's current epoch; without ``set_epoch`` calls every
+    loop repeats the same epoch, as torch's ``DistributedSampler`` does. With workers, the batch
+    sampler is a ``BatchStream`` and one worker iterator lives across loops: while a loop is read,
+    the workers already prepare the next loop's first batches, guessing its epoch from the last two
+    complete loops (the next epoch, or the same one again when ``set_epoch`` was not called). When a
+    loop starts anywhere else (a ``break``, an unexpected ``set_epoch``, ``load_state_dict``), the
+    worker iterator is reset, which drops the batches prepared in advance: a lost head start, never
+    a wrong batch. After the last epoch the workers have decoded a few batches nobody reads.
     """
 
     def __init__(self, *args, pin_batches: bool = False, **kwargs) -> None:
@@ -48,6 +60,8 @@ class PackedLoader(DataLoader):
         self._releaser = SlotReleaser()
         self._yielded = 0
         self._epoch_start = self.shard_sampler.start
+        self._stream_next: tuple[int, int] | None = None
+        self._last_complete_epoch: int | None = None
 
     @property
     def shard_sampler(self) -> ShardSampler:
@@ -68,17 +82,35 @@ class PackedLoader(DataLoader):
         self.shard_sampler.load_state_dict(state)
         self._yielded = 0
         self._epoch_start = self.shard_sampler.start
+        self._stream_next = None
 
     def __iter__(self) -> Iterator[Batch]:
+        epoch, start = self.shard_sampler.epoch, self.shard_sampler.start
         self._yielded = 0
-        self._epoch_start = self.shard_sampler.start
+        self._epoch_start = start
         self._releaser.release_unused()
-        for images, labels in super().__iter__():
+        count = len(self)
+        if count == 0:
+            return
+        batches = self._stream_at(epoch, start)
+        self._stream_next = None
+        for _ in range(count):
+            images, labels = next(batches)
             if self._pin_batches:
                 images, labels = _pinned(images), labels.pin_memory()
             self._releaser.release_unused()
             self._yielded += len(labels)
             yield images, labels
+        self._stream_next = self.batch_sampler.following(epoch, start)
+        self._last_complete_epoch = epoch
+
+    def _stream_at(self, epoch: int, start: int) -> Iterator[Batch]:
+        """An iterator whose next batch is the first of the pass ``(epoch, start)``: the live worker
+        iterator when it is already there, else a new or reset one (which drops what it prefetched)."""
+        if self._iterator is not None and self._stream_next == (epoch, start):
+            return self._iterator
+        self.batch_sampler.epoch_step = int(self._last_complete_epoch != epoch)
+        return super().__iter__()
 
     def _get_iterator(self) -> object:
         if self.num_workers == 0:
@@ -140,7 +172,7 @@ def make_loader(
     workers = default_num_workers() if num_workers is None else num_workers
     return PackedLoader(
         dataset,
-        batch_sampler=BatchSampler(sampler, batch_size, drop_last),
+        batch_sampler=BatchStream(sampler, batch_size, drop_last),
         collate_fn=hand_over,
         worker_init_fn=enable_handoff,
         num_workers=workers,

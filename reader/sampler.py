@@ -111,20 +111,22 @@ class ShardSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         return iter(self.rank_order()[self.start:].tolist())
 
-    def rank_order(self) -> np.ndarray:
-        """This rank's whole share of the current epoch, ``start`` not applied."""
-        order = self.epoch_order()
+    def rank_order(self, epoch: int | None = None) -> np.ndarray:
+        """This rank's whole share of ``epoch`` (default: the current one), ``start`` not applied."""
+        order = self.epoch_order(epoch)
         total = self.samples_per_rank * self.world_size
         if total > len(order):
             order = np.resize(order, total)
         first = self.rank * self.samples_per_rank
         return order[first:first + self.samples_per_rank]
 
-    def epoch_order(self) -> np.ndarray:
-        """Every record once, in the current epoch's order (before the split between ranks)."""
+    def epoch_order(self, epoch: int | None = None) -> np.ndarray:
+        """Every record once, in ``epoch``'s order (default: the current epoch), before the split
+        between ranks. Taking the epoch as an argument lets a loader prepare the next epoch's batches
+        while this one is still being read, without touching the sampler's state."""
         if self.order == "sequential":
             return np.arange(self.num_records, dtype=np.int64)
-        rng = np.random.default_rng((self.seed, self.epoch))
+        rng = np.random.default_rng((self.seed, self.epoch if epoch is None else epoch))
         if self.order == "random":
             return rng.permutation(self.num_records).astype(np.int64)
         return _quasi_random(self._block_starts, self.num_records, self.buffer_blocks, rng)
