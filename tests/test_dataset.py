@@ -96,12 +96,12 @@ def test_each_shard_run_is_one_read(packed, monkeypatch):
     calls = []
     real_preadv = os.preadv
 
-    def counting_preadv(fd, buffers, offset):
+    def counting_preadv(fd, buffers, offset, flags=0):
         calls.append(len(buffers))
-        return real_preadv(fd, buffers, offset)
+        return real_preadv(fd, buffers, offset, flags)
 
     monkeypatch.setattr(reader.shard_io.os, "preadv", counting_preadv)
-    ds = PackedDataset(packed.path)
+    ds = PackedDataset(packed.path, readahead_bytes=0)
     bounds = shard_bounds(ds)
     indices = list(range(bounds[0] + 1, bounds[2]))[::-1]
     batch, _ = ds.__getitems__(indices)
@@ -217,3 +217,112 @@ def test_batch_buffers_are_reused_only_once_dropped(packed):
     assert third.data_ptr() == address
     for row, i in zip(third, [6, 7, 8]):
         assert_close(row, packed.images[i], packed.encoding)
+
+
+class ColdDisk:
+    """Stands in for a cold page cache: reads with ``RWF_NOWAIT`` find nothing (or are refused, like
+    on a file system without non-blocking reads), and every WILLNEED is recorded as (fd, offset, len)."""
+
+    def __init__(self, monkeypatch, nowait_error: OSError = BlockingIOError(11, "cold")) -> None:
+        self.advice: list[tuple[int, int, int]] = []
+        self.blocking_reads = 0
+        real_preadv = os.preadv
+
+        def preadv(fd, buffers, offset, flags=0):
+            if flags & os.RWF_NOWAIT:
+                raise nowait_error
+            self.blocking_reads += 1
+            return real_preadv(fd, buffers, offset)
+
+        def fadvise(fd, offset, length, advice):
+            assert advice == os.POSIX_FADV_WILLNEED
+            self.advice.append((fd, offset, length))
+
+        monkeypatch.setattr(reader.shard_io.os, "preadv", preadv)
+        monkeypatch.setattr(reader.shard_io.os, "posix_fadvise", fadvise)
+
+    def advised_bytes(self) -> set[int]:
+        return {b for _, offset, length in self.advice for b in range(offset, offset + length)}
+
+
+@pytest.fixture(scope="module")
+def page_sized_images() -> list[np.ndarray]:
+    """Images whose JPEGs are over 2 KB, so that LMDB stores them in file order (overflow pages)."""
+    return make_images(COUNT, [(72, 96)])
+
+
+def one_shard_of_blocks(tmp_path, images, storage, encoding, records_per_block):
+    """A one-shard dataset whose read-ahead blocks hold ``records_per_block`` records each."""
+    packed = pack_one_shard(tmp_path, images, storage, encoding)
+    assert (np.diff(PackedDataset(packed.path)._offsets) > 0).all()
+    shard = PackedDataset(packed.path).manifest.shards[0]
+    block_bytes = -(-records_per_block * shard.bytes // shard.records)
+    return PackedDataset(packed.path, readahead_bytes=block_bytes), packed
+
+
+def block_span(ds: PackedDataset, first: int, last: int) -> range:
+    """File bytes from record ``first``'s block start (or the file's start) to record ``last``'s end."""
+    start = 0 if first == 0 else int(ds._offsets[first])
+    return range(start, int(ds._offsets[last] + ds._nbytes[last]))
+
+
+@pytest.mark.parametrize("storage", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("encoding", ["raw", "jpeg"])
+def test_cold_batch_reads_its_whole_blocks_ahead(tmp_path, page_sized_images, monkeypatch, storage,
+                                                encoding):
+    ds, packed = one_shard_of_blocks(tmp_path, page_sized_images, storage, encoding, records_per_block=5)
+    disk = ColdDisk(monkeypatch)
+    indices = [12, 6, 13]  # blocks 1 and 2 (records 5-9 and 10-14), not blocks 0, 3, 4
+    batch, labels = ds.__getitems__(indices)
+    advised = disk.advised_bytes()
+    assert set(block_span(ds, 5, 14)) <= advised
+    assert not advised & set(block_span(ds, 0, 4))
+    assert not advised & set(range(int(ds._offsets[15]), int(ds._offsets[-1] + ds._nbytes[-1])))
+    assert disk.blocking_reads >= 1
+    assert labels.tolist() == [packed.labels[i] for i in indices]
+    for row, i in zip(batch, indices):
+        assert_close(row, packed.images[i], encoding)
+
+
+def test_cached_batch_asks_for_nothing(tmp_path, images, monkeypatch):
+    ds, packed = one_shard_of_blocks(tmp_path, images, "lmdb", "raw", records_per_block=5)
+    (tmp_path / "packed" / "shard-00000.lmdb").read_bytes()  # now in the page cache
+    advice = []
+    monkeypatch.setattr(reader.shard_io.os, "posix_fadvise", lambda *args: advice.append(args))
+    batch, _ = ds.__getitems__([12, 6, 13, 0])
+    assert advice == []
+    assert_close(batch[3], packed.images[0], "raw")
+
+
+def test_scattered_batch_reads_only_its_records(tmp_path, images, monkeypatch):
+    ds, packed = one_shard_of_blocks(tmp_path, images, "hdf5", "raw", records_per_block=2)
+    disk = ColdDisk(monkeypatch)
+    monkeypatch.setattr(reader.shard_io, "MAX_READAHEAD_BLOCKS", 2)
+    batch, _ = ds.__getitems__([0, 8, 16])
+    assert disk.advice == []
+    for row, i in zip(batch, [0, 8, 16]):
+        assert_close(row, packed.images[i], "raw")
+    ds.__getitems__([0, 3])
+    assert disk.advised_bytes() >= set(block_span(ds, 0, 3))
+
+
+def test_file_system_without_nonblocking_reads_still_reads_ahead(tmp_path, page_sized_images,
+                                                                monkeypatch):
+    ds, packed = one_shard_of_blocks(tmp_path, page_sized_images, "lmdb", "jpeg", records_per_block=5)
+    disk = ColdDisk(monkeypatch, nowait_error=OSError(95, "Operation not supported"))
+    for indices in ([7], [21, 2]):
+        batch, _ = ds.__getitems__(indices)
+        for row, i in zip(batch, indices):
+            assert_close(row, packed.images[i], "jpeg")
+    assert set(block_span(ds, 0, 9)) | set(block_span(ds, 20, 22)) <= disk.advised_bytes()
+
+
+def test_readahead_off_and_bad_values(tmp_path, images, monkeypatch):
+    packed = pack_one_shard(tmp_path, images, "hdf5", "jpeg")
+    path = packed.path
+    disk = ColdDisk(monkeypatch)
+    batch, _ = PackedDataset(path, readahead_bytes=0).__getitems__([4, 9])
+    assert disk.advice == [] and disk.blocking_reads == 1
+    assert_close(batch[1], packed.images[9], "jpeg")
+    with pytest.raises(ValueError, match="readahead_bytes"):
+        PackedDataset(path, readahead_bytes=-1)
