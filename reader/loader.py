@@ -47,9 +47,10 @@ class PackedLoader(DataLoader):
     Epochs: each ``for`` loop yields the sampler's current epoch; without ``set_epoch`` calls every
     loop repeats the same epoch, as torch's ``DistributedSampler`` does. With workers, the batch
     sampler is a ``BatchStream`` and one worker iterator lives across loops: while a loop is read,
-    the workers already prepare the next loop's first batches, guessing its epoch from the last two
-    complete loops (the next epoch, or the same one again when ``set_epoch`` was not called). When a
-    loop starts anywhere else (a ``break``, an unexpected ``set_epoch``, ``load_state_dict``), the
+    the workers already prepare the next loop's first batches, guessing its epoch from how this
+    loop's epoch followed the last complete loop's (the next epoch, or the same one again when
+    ``set_epoch`` was not called). When a loop starts anywhere else (after a ``break`` or an
+    unfinished loop, an unexpected ``set_epoch``, ``load_state_dict``), the
     worker iterator is reset, which drops the batches prepared in advance: a lost head start, never
     a wrong batch. After the last epoch the workers have decoded a few batches nobody reads.
     """
