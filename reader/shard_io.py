@@ -26,7 +26,7 @@ import errno
 import fcntl
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -60,22 +60,22 @@ class ReadRequest:
     records: np.ndarray
 
 
-@dataclass
 class _Run:
     """Neighbouring records read by one ``preadv``: file offset, iovecs, and how much is done."""
 
-    start: int
-    iovecs: list[memoryview] = field(default_factory=list)
-    ends: list[tuple[int, int]] = field(default_factory=list)  # (global record, its end in the run)
-    done: int = 0
+    __slots__ = ("start", "iovecs", "ends", "total", "done")
 
-    @property
-    def total(self) -> int:
-        return self.ends[-1][1]
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.iovecs: list[memoryview] = []
+        self.ends: list[tuple[int, int]] = []  # (global record, its end relative to the run)
+        self.total = 0
+        self.done = 0
 
     def advance(self, n: int) -> None:
         self.done += n
-        self.iovecs = _skip_bytes(self.iovecs, n)
+        if self.done < self.total:
+            self.iovecs = _skip_bytes(self.iovecs, n)
 
 
 class ShardFiles:
@@ -159,13 +159,15 @@ class ShardFiles:
         for offset, size, record, destination in zip(offsets, nbytes, records, destinations):
             gap = offset - position
             if run is None or gap < 0 or gap > self.max_gap or len(run.iovecs) >= max_iovecs:
-                run = _Run(start=offset)
+                run = _Run(offset)
                 runs.append(run)
             elif gap:
                 run.iovecs.append(self._gap[:gap])
             run.iovecs.append(destination)
             position = offset + size
             run.ends.append((record, position - run.start))
+        for run in runs:
+            run.total = run.ends[-1][1]
         return runs
 
     def _read_cached(self, fd: int, run: _Run) -> bool:
