@@ -23,7 +23,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from reader import blocks
 from reader.batch_memory import new_batch
+from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode import decode_jpeg_into
 from reader.format import (
     ENCODINGS,
@@ -35,7 +37,6 @@ from reader.format import (
 )
 from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
 
-DEFAULT_READAHEAD_BYTES = 8 << 20
 
 Images = torch.Tensor | list[torch.Tensor]
 
@@ -48,8 +49,8 @@ class PackedDataset(Dataset):
     largest hole in the file (bytes) that a single read spans to join two requested records.
 
     ``readahead_bytes`` (0 turns it off) is the size of the blocks read ahead when a batch misses the
-    page cache: each shard is cut into blocks of about that many bytes of contiguous records, exactly
-    as ``ShardSampler`` cuts its quasi-random blocks for the same ``block_bytes`` (keep the two equal).
+    page cache: the shards are cut into blocks by ``reader.blocks``, exactly as ``ShardSampler`` cuts
+    its quasi-random blocks for the same ``block_bytes`` (keep the two equal; both default to 8 MiB).
     A batch whose records are not all cached asks the kernel for the whole blocks they lie in, so the
     next batches of the sampler's window read from memory and the disk streams 8 MiB blocks instead of
     seeking for every few records: what makes quasi-random order run at disk bandwidth on an HDD or
@@ -63,7 +64,7 @@ class PackedDataset(Dataset):
         *,
         fast_decode: bool = True,
         max_gap: int = DEFAULT_MAX_GAP,
-        readahead_bytes: int = DEFAULT_READAHEAD_BYTES,
+        readahead_bytes: int = DEFAULT_BLOCK_BYTES,
     ) -> None:
         if readahead_bytes < 0:
             raise ValueError(f"readahead_bytes must be 0 (off) or positive, got {readahead_bytes}")
@@ -91,7 +92,8 @@ class PackedDataset(Dataset):
         self._check_records()
         block_bounds = None
         if readahead_bytes:
-            block_bounds = [_block_bounds(table["offset"], shard.records, shard.bytes, readahead_bytes)
+            size = block_size(self.manifest.shards, readahead_bytes)
+            block_bounds = [blocks.block_bounds(table["offset"], shard, size)
                             for table, shard in zip(tables, self.manifest.shards)]
         self._files = ShardFiles([self.path / s.file for s in self.manifest.shards], max_gap, block_bounds)
         self._scratch = bytearray(0)
@@ -231,16 +233,6 @@ def _check_manifest(manifest: Manifest, path: Path) -> None:
         raise FormatError(f"{origin}: unknown storage {manifest.storage!r}")
     if manifest.encoding not in ENCODINGS:
         raise FormatError(f"{origin}: unknown encoding {manifest.encoding!r}")
-
-
-def _block_bounds(offsets: np.ndarray, records: int, file_bytes: int, block_bytes: int) -> np.ndarray:
-    """Where a shard file's read-ahead blocks start, then its end: blocks of ``records * block_bytes //
-    file_bytes`` consecutive records (``ShardSampler``'s rule), each from its lowest record offset (the
-    first from the file's start). Records small enough to share LMDB leaf pages are not in file order,
-    so there such blocks only roughly follow the sampler's; payloads of a page or more are exact."""
-    per_block = max(1, block_bytes * records // max(file_bytes, 1))
-    starts = np.minimum.reduceat(offsets.astype(np.int64), np.arange(0, records, per_block))[1:]
-    return np.unique(np.concatenate([[0], starts, [max(file_bytes, 1)]]))
 
 
 def _split(tensor: torch.Tensor, nbytes: np.ndarray) -> list[memoryview]:

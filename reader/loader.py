@@ -20,7 +20,8 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over
 from reader.batch_stream import BatchStream
 from reader.dataset import PackedDataset
-from reader.sampler import DEFAULT_BLOCK_BYTES, DEFAULT_BUFFER_BLOCKS, ShardSampler
+from reader.blocks import DEFAULT_BLOCK_BYTES
+from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
 
 MAX_DEFAULT_WORKERS = 8
 

@@ -5,7 +5,7 @@ Orders:
 - ``"sequential"``: records in dataset order.
 - ``"random"``: a uniform random permutation.
 - ``"quasi_random"`` (default): the dataset is cut into blocks of contiguous records (about
-  ``block_bytes`` of shard file each; a block never crosses a shard boundary), the blocks are shuffled,
+  ``block_bytes`` of shard file each, less for small datasets: ``reader.blocks``), the blocks are shuffled,
   then records are shuffled within each window of ``buffer_blocks`` consecutive shuffled blocks. A
   batch draws from ~``buffer_blocks`` places in the files, so a slow disk sees long sequential reads,
   while a record can still land anywhere in the epoch.
@@ -30,12 +30,12 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from reader.blocks import DEFAULT_BLOCK_BYTES, block_size, block_starts
+
 if TYPE_CHECKING:
     from reader.dataset import PackedDataset
-    from reader.format import ShardInfo
 
 ORDERS = ("sequential", "random", "quasi_random")
-DEFAULT_BLOCK_BYTES = 8 << 20
 DEFAULT_BUFFER_BLOCKS = 16
 
 
@@ -78,7 +78,8 @@ class ShardSampler(Sampler[int]):
         self.buffer_blocks = buffer_blocks
         self.epoch = 0
         self.start = 0
-        self._block_starts = _block_starts(dataset.manifest.shards, block_bytes)
+        shards = dataset.manifest.shards
+        self._block_starts = block_starts(shards, block_size(shards, block_bytes))
         if pad:
             self.samples_per_rank = -(-self.num_records // world_size)
         else:
@@ -130,18 +131,6 @@ class ShardSampler(Sampler[int]):
         if self.order == "random":
             return rng.permutation(self.num_records).astype(np.int64)
         return _quasi_random(self._block_starts, self.num_records, self.buffer_blocks, rng)
-
-
-def _block_starts(shards: list[ShardInfo], block_bytes: int) -> np.ndarray:
-    """First record of every block: each shard is cut into blocks of about ``block_bytes``."""
-    starts = []
-    first = 0
-    for shard in shards:
-        if shard.records:
-            per_block = max(1, int(block_bytes * shard.records // max(shard.bytes, 1)))
-            starts.append(np.arange(first, first + shard.records, per_block, dtype=np.int64))
-        first += shard.records
-    return np.concatenate(starts) if starts else np.zeros(0, np.int64)
 
 
 def _quasi_random(block_starts: np.ndarray, num_records: int, buffer_blocks: int,

@@ -1,0 +1,59 @@
+"""Blocks: runs of contiguous records, the unit of locality shared by the sampler and the reader.
+
+``ShardSampler``'s quasi-random order shuffles blocks and mixes records within windows of blocks;
+``PackedDataset`` reads a whole block ahead when a batch misses the page cache. Both must cut the files
+the same way, so the rule lives here: each shard is cut into blocks of the same number of consecutive
+records, about ``block_size`` bytes of shard file each (a block never crosses a shard).
+
+``block_size`` is the asked-for size (8 MiB by default: long enough for a disk to stream) except for
+small datasets, which get smaller blocks so that they still have ``MIN_BLOCKS`` of them (four windows of
+16): otherwise one window would span the whole dataset, the first batch would wait for every byte of
+it, and reading could not overlap decoding. Blocks never shrink below 1 MiB, where a slow disk starts
+to lose bandwidth to seeks.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from reader.format import ShardInfo
+
+DEFAULT_BLOCK_BYTES = 8 << 20
+MIN_BLOCKS = 64
+MIN_BLOCK_BYTES = 1 << 20
+
+
+def block_size(shards: Sequence[ShardInfo], block_bytes: int) -> int:
+    """The block size in bytes for a dataset of ``shards`` when ``block_bytes`` is asked for."""
+    total = sum(shard.bytes for shard in shards)
+    return min(block_bytes, max(MIN_BLOCK_BYTES, total // MIN_BLOCKS))
+
+
+def records_per_block(records: int, shard_bytes: int, size: int) -> int:
+    """How many consecutive records of a shard make one block of about ``size`` bytes."""
+    return max(1, size * records // max(shard_bytes, 1))
+
+
+def block_starts(shards: Sequence[ShardInfo], size: int) -> np.ndarray:
+    """The dataset index of every block's first record, over all shards in order."""
+    starts = []
+    first = 0
+    for shard in shards:
+        if shard.records:
+            per_block = records_per_block(shard.records, shard.bytes, size)
+            starts.append(np.arange(first, first + shard.records, per_block, dtype=np.int64))
+        first += shard.records
+    return np.concatenate(starts) if starts else np.zeros(0, np.int64)
+
+
+def block_bounds(offsets: np.ndarray, shard: ShardInfo, size: int) -> np.ndarray:
+    """Where one shard file's blocks start (bytes), then the file's end.
+
+    Each block starts at its lowest record offset (the first at the file's start). Records small enough
+    to share LMDB leaf pages are not in file order, so there blocks only roughly follow the records;
+    payloads of a page or more are exact.
+    """
+    per_block = records_per_block(shard.records, shard.bytes, size)
+    starts = np.minimum.reduceat(offsets.astype(np.int64), np.arange(0, shard.records, per_block))[1:]
+    return np.unique(np.concatenate([[0], starts, [max(shard.bytes, 1)]]))
