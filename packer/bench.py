@@ -29,6 +29,16 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
+class Settings:
+    """How every setting is timed: batch size, epochs, an optional simulated step, cold epochs."""
+
+    batch_size: int
+    epochs: int
+    model_ms: float | None = None
+    cold: bool = False
+
+
+@dataclass(frozen=True)
 class EpochFigures:
     """One epoch of one reader setting."""
 
@@ -75,37 +85,23 @@ def spec_from_manifest(manifest: Manifest) -> TransformSpec:
 
 
 def bench_packed(
-    path: str | os.PathLike,
-    *,
-    orders: Sequence[str],
-    workers: Sequence[int],
-    batch_size: int,
-    epochs: int,
-    model_ms: float | None = None,
-    cold: bool = False,
+    path: str | os.PathLike, settings: Settings, *, orders: Sequence[str], workers: Sequence[int]
 ) -> list[EpochFigures]:
     """Figures for every epoch of every (order, workers) setting on the packed dataset at ``path``."""
     dataset = PackedDataset(path)
     bytes_per_record = dataset.manifest.total_bytes / max(1, len(dataset))
-    label = f"packed {dataset.manifest.storage} {dataset.manifest.encoding}"
+    label = f"{Path(path).name}: {dataset.manifest.storage} {dataset.manifest.encoding}"
     results = []
     for order in orders:
         for n in workers:
-            loader = make_loader(dataset, batch_size, num_workers=n, order=order, seed=0)
-            results += _run_epochs(loader, label, order, n, epochs, bytes_per_record, model_ms, cold)
+            loader = make_loader(dataset, settings.batch_size, num_workers=n, order=order, seed=0)
+            results += _run_epochs(loader, settings, label, order, n, bytes_per_record)
             del loader
     return results
 
 
 def bench_folder(
-    src: str | os.PathLike,
-    spec: TransformSpec,
-    *,
-    workers: Sequence[int],
-    batch_size: int,
-    epochs: int,
-    model_ms: float | None = None,
-    cold: bool = False,
+    src: str | os.PathLike, spec: TransformSpec, settings: Settings, *, workers: Sequence[int]
 ) -> list[EpochFigures]:
     """The same figures for the ImageFolder-style baseline, shuffled, on the source folder."""
     dataset = FolderDataset(src, spec)
@@ -114,31 +110,22 @@ def bench_folder(
     results = []
     for n in workers:
         loader = DataLoader(
-            dataset, batch_size, shuffle=True, num_workers=n, persistent_workers=n > 0,
+            dataset, settings.batch_size, shuffle=True, num_workers=n, persistent_workers=n > 0,
             generator=torch.Generator().manual_seed(0),
         )
-        results += _run_epochs(
-            loader, "folder (PIL per item)", "random", n, epochs, bytes_per_record, model_ms, cold
-        )
+        results += _run_epochs(loader, settings, "folder (PIL per item)", "random", n, bytes_per_record)
         del loader
     return results
 
 
 def _run_epochs(
-    loader: Iterable,
-    reader: str,
-    order: str,
-    workers: int,
-    epochs: int,
-    bytes_per_record: float,
-    model_ms: float | None,
-    cold: bool,
+    loader: Iterable, settings: Settings, reader: str, order: str, workers: int, bytes_per_record: float
 ) -> list[EpochFigures]:
     figures = []
-    for epoch in range(epochs):
+    for epoch in range(settings.epochs):
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
-        if cold:
+        if settings.cold:
             drop_page_cache()
         timer = StepTimer(sync=False, warmup_steps=1)
         images, first_batch = 0, None
@@ -147,16 +134,15 @@ def _run_epochs(
             if first_batch is None:
                 first_batch = time.perf_counter() - start
             images += len(labels)
-            if model_ms:
-                time.sleep(model_ms / 1000)
+            if settings.model_ms:
+                time.sleep(settings.model_ms / 1000)
         seconds = time.perf_counter() - start
-        summary = timer.summary()
         figures.append(EpochFigures(
             reader=reader, order=order, workers=workers, epoch=epoch + 1, images=images,
             seconds=seconds, images_per_s=images / seconds,
             mb_per_s=images * bytes_per_record / seconds / 1e6,
             first_batch_ms=1000 * (first_batch or 0.0), worker_rss_mb=worker_rss_mb(),
-            wait_share=summary.wait_share if model_ms else None,
+            wait_share=timer.summary().wait_share if settings.model_ms else None,
         ))
     return figures
 
@@ -192,13 +178,13 @@ def worker_rss_mb() -> tuple[float, ...]:
 
 def format_table(results: Sequence[EpochFigures]) -> str:
     """A fixed-width table, one row per epoch."""
-    header = (f"{'reader':<24} {'order':<13} {'wk':>2} {'ep':>2} {'img/s':>9} {'MB/s':>7} "
+    header = (f"{'reader':<28} {'order':<13} {'wk':>2} {'ep':>2} {'img/s':>9} {'MB/s':>7} "
               f"{'1st batch':>10} {'worker RSS MB':>15} {'data wait':>9}")
     rows = [header, "-" * len(header)]
     for r in results:
         rss = "/".join(f"{v:.0f}" for v in r.worker_rss_mb) or "-"
         wait = "-" if r.wait_share is None else f"{100 * r.wait_share:.1f}%"
-        rows.append(f"{r.reader:<24} {r.order:<13} {r.workers:>2} {r.epoch:>2} {r.images_per_s:>9,.0f} "
+        rows.append(f"{r.reader:<28} {r.order:<13} {r.workers:>2} {r.epoch:>2} {r.images_per_s:>9,.0f} "
                     f"{r.mb_per_s:>7.1f} {r.first_batch_ms:>8.1f}ms {rss:>15} {wait:>9}")
     return "\n".join(rows)
 

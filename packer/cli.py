@@ -160,13 +160,12 @@ def bench_command(dataset: Path, baseline: Path | None, orders: str, workers_lis
 
     order_names = [o.strip() for o in orders.split(",") if o.strip()]
     workers = [int(w) for w in workers_list.split(",") if w.strip()]
+    settings = bench.Settings(batch_size=batch_size, epochs=epochs, model_ms=model_ms, cold=cold)
     try:
-        results = bench.bench_packed(dataset, orders=order_names, workers=workers,
-                                     batch_size=batch_size, epochs=epochs, model_ms=model_ms, cold=cold)
+        results = bench.bench_packed(dataset, settings, orders=order_names, workers=workers)
         if baseline is not None:
             spec = bench.spec_from_manifest(load_manifest(dataset))
-            results += bench.bench_folder(baseline, spec, workers=workers, batch_size=batch_size,
-                                          epochs=epochs, model_ms=model_ms, cold=cold)
+            results += bench.bench_folder(baseline, spec, settings, workers=workers)
         if plot is not None:
             bench.plot(results, plot, title=f"packer bench {dataset.name} (batch {batch_size})")
     except (FormatError, PackError, PermissionError, RuntimeError, ValueError) as e:

@@ -24,8 +24,8 @@ def test_bench_json_baseline_and_plot(tmp_path: Path, make_packed_dataset: Calla
     rows = json.loads(result.stdout)
     settings = [(r["reader"], r["order"], r["epoch"]) for r in rows]
     assert settings == [
-        ("packed lmdb raw", "sequential", 1), ("packed lmdb raw", "sequential", 2),
-        ("packed lmdb raw", "quasi_random", 1), ("packed lmdb raw", "quasi_random", 2),
+        ("packed: lmdb raw", "sequential", 1), ("packed: lmdb raw", "sequential", 2),
+        ("packed: lmdb raw", "quasi_random", 1), ("packed: lmdb raw", "quasi_random", 2),
         ("folder (PIL per item)", "random", 1), ("folder (PIL per item)", "random", 2),
     ]
     assert all(r["images"] == 8 and r["images_per_s"] > 0 for r in rows)
@@ -45,6 +45,7 @@ def test_baseline_applies_the_packed_transform(tmp_path: Path, make_packed_datas
 
 def test_model_ms_reports_data_wait(tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> None:
     dst = make_packed_dataset(tmp_path, per_class=4, resize=24, crop=20)
-    rows = bench.bench_packed(dst, orders=["random"], workers=[0], batch_size=2, epochs=1, model_ms=1.0)
+    settings = bench.Settings(batch_size=2, epochs=1, model_ms=1.0)
+    rows = bench.bench_packed(dst, settings, orders=["random"], workers=[0])
     assert len(rows) == 1 and rows[0].wait_share is not None and 0.0 <= rows[0].wait_share <= 1.0
     assert "data wait" in bench.format_table(rows)
