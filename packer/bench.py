@@ -25,7 +25,6 @@ from packer.transforms import TransformSpec, load_image
 from reader import PackedDataset, StepTimer, make_loader
 from reader.format import Manifest
 
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,8 @@ class EpochFigures:
     images_per_s: float
     mb_per_s: float
     first_batch_ms: float
-    worker_rss_mb: tuple[float, ...]
+    worker_private_mb: tuple[float, ...]
+    worker_shared_mb: tuple[float, ...]
     wait_share: float | None
 
 
@@ -141,7 +141,7 @@ def _run_epochs(
             reader=reader, order=order, workers=workers, epoch=epoch + 1, images=images,
             seconds=seconds, images_per_s=images / seconds,
             mb_per_s=images * bytes_per_record / seconds / 1e6,
-            first_batch_ms=1000 * (first_batch or 0.0), worker_rss_mb=worker_rss_mb(),
+            first_batch_ms=1000 * (first_batch or 0.0), **worker_memory_mb(),
             wait_share=timer.summary().wait_share if settings.model_ms else None,
         ))
     return figures
@@ -157,35 +157,39 @@ def drop_page_cache() -> None:
         raise PermissionError(f"--cold needs root to drop the page cache ({e})") from None
 
 
-def worker_rss_mb() -> tuple[float, ...]:
-    """Resident memory of this process's child processes (the loader's workers), in MB."""
+def worker_memory_mb() -> dict[str, tuple[float, ...]]:
+    """Resident memory of this process's children (the loader's workers), in MB, split in two:
+    private (``RssAnon``: what would grow if workers copied the dataset's objects) and shared
+    (``RssShmem``: mostly the batch slots handed to the main process, a bounded pool)."""
     me = os.getpid()
-    sizes = []
+    private, shared = [], []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != me:
-                continue
-            with open(f"/proc/{entry.name}/statm") as f:
-                sizes.append(int(f.read().split()[1]) * _PAGE / 1e6)
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != me:
+                    continue
+            with open(f"/proc/{entry.name}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon", "RssShmem")))
         except (OSError, IndexError, ValueError):
             continue
-    return tuple(sorted(sizes))
+        private.append(int(fields["RssAnon"].split()[0]) / 1e3)
+        shared.append(int(fields["RssShmem"].split()[0]) / 1e3)
+    return {"worker_private_mb": tuple(private), "worker_shared_mb": tuple(shared)}
 
 
 def format_table(results: Sequence[EpochFigures]) -> str:
     """A fixed-width table, one row per epoch."""
     header = (f"{'reader':<28} {'order':<13} {'wk':>2} {'ep':>2} {'img/s':>9} {'MB/s':>7} "
-              f"{'1st batch':>10} {'worker RSS MB':>15} {'data wait':>9}")
+              f"{'1st batch':>10} {'worker MB private':>17} {'+ slots':>9} {'data wait':>9}")
     rows = [header, "-" * len(header)]
     for r in results:
-        rss = "/".join(f"{v:.0f}" for v in r.worker_rss_mb) or "-"
+        private = "/".join(f"{v:.0f}" for v in r.worker_private_mb) or "-"
+        shared = "/".join(f"{v:.0f}" for v in r.worker_shared_mb) or "-"
         wait = "-" if r.wait_share is None else f"{100 * r.wait_share:.1f}%"
         rows.append(f"{r.reader:<28} {r.order:<13} {r.workers:>2} {r.epoch:>2} {r.images_per_s:>9,.0f} "
-                    f"{r.mb_per_s:>7.1f} {r.first_batch_ms:>8.1f}ms {rss:>15} {wait:>9}")
+                    f"{r.mb_per_s:>7.1f} {r.first_batch_ms:>8.1f}ms {private:>17} {shared:>9} {wait:>9}")
     return "\n".join(rows)
 
 
