@@ -11,11 +11,20 @@ Each pass is identified by ``(epoch, start)``: batches of ``rank_order(epoch)[st
 ``BatchSampler(sampler, batch_size, drop_last)`` cuts them. The pass after ``(epoch, start)`` is
 ``(epoch + 1, 0)`` when ``epoch_step`` is 1 (``set_epoch`` called before every epoch) or the same
 ``(epoch, start)`` again when it is 0 (no ``set_epoch`` calls: the sampler repeats its epoch).
+
+Advice ahead (optional): the stream knows the order far beyond what the workers have been given, so
+it can tell the dataset which records come next. With an ``advise`` callable and a ``lookahead`` of
+``n`` samples, each batch is passed to ``advise`` about ``n`` samples before it is yielded (the first
+ones at once, when the stream starts). ``PackedDataset.advise`` then starts reading those records'
+blocks, so on a slow disk the next window of quasi-random blocks is read while the workers decode the
+current one, instead of only once a worker misses in it. The batches yielded are the same either way.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections import deque
+from typing import Callable, Iterator
 
+import numpy as np
 from torch.utils.data import Sampler
 
 from reader.sampler import ShardSampler
@@ -26,16 +35,29 @@ class BatchStream(Sampler[list[int]]):
 
     ``len()`` is the number of batches in the sampler's current pass (what one epoch of the loader
     yields). The stream ends only if a pass has no batch at all, since every later pass would be
-    empty too.
+    empty too. ``advise`` (called with a batch's indices as a numpy array) sees every batch
+    ``ceil(lookahead / batch_size)`` batches before it is yielded (see the module docstring).
     """
 
-    def __init__(self, sampler: ShardSampler, batch_size: int, drop_last: bool) -> None:
+    def __init__(
+        self,
+        sampler: ShardSampler,
+        batch_size: int,
+        drop_last: bool,
+        *,
+        advise: Callable[[np.ndarray], None] | None = None,
+        lookahead: int = 0,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be 0 or more samples, got {lookahead}")
         self.sampler = sampler
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.epoch_step = 1
+        self.advise = advise
+        self.lookahead_batches = -(-lookahead // batch_size) if advise is not None else 0
 
     def __len__(self) -> int:
         return self.batches_in(len(self.sampler))
@@ -49,6 +71,22 @@ class BatchStream(Sampler[list[int]]):
         return (epoch + 1, 0) if self.epoch_step else (epoch, start)
 
     def __iter__(self) -> Iterator[list[int]]:
+        batches = self._batches()
+        if not self.lookahead_batches:
+            for batch in batches:
+                yield batch.tolist()
+            return
+        ahead: deque[np.ndarray] = deque()
+        for batch in batches:
+            self.advise(batch)
+            ahead.append(batch)
+            if len(ahead) > self.lookahead_batches:
+                yield ahead.popleft().tolist()
+        while ahead:
+            yield ahead.popleft().tolist()
+
+    def _batches(self) -> Iterator[np.ndarray]:
+        """The stream's batches as index arrays, pass after pass."""
         epoch, start = self.sampler.epoch, self.sampler.start
         while True:
             order = self.sampler.rank_order(epoch)[start:]
@@ -56,5 +94,5 @@ class BatchStream(Sampler[list[int]]):
             if count == 0:
                 return
             for i in range(count):
-                yield order[i * self.batch_size:(i + 1) * self.batch_size].tolist()
+                yield order[i * self.batch_size:(i + 1) * self.batch_size]
             epoch, start = self.following(epoch, start)

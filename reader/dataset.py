@@ -10,7 +10,8 @@ The hot path is ``__getitems__``, which the DataLoader calls with a whole batch 
 are grouped by shard and read in coalesced runs straight into the batch tensor (raw pixels) or into a
 reused scratch buffer and then decoded straight into the batch tensor (JPEG). On a cold cache, whole
 blocks of the files around the requested records are read ahead (``reader.shard_io``), cut exactly
-like ``ShardSampler``'s quasi-random blocks, so a slow disk sees long sequential reads.
+like ``ShardSampler``'s quasi-random blocks, so a slow disk sees long sequential reads; ``advise``
+lets the loader's main process start reading the blocks of batches still ahead.
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class PackedDataset(Dataset):
         if readahead_bytes < 0:
             raise ValueError(f"readahead_bytes must be 0 (off) or positive, got {readahead_bytes}")
         self.path = Path(path)
+        self.readahead_bytes = readahead_bytes
         self.manifest: Manifest = load_manifest(self.path)
         self.fast_decode = fast_decode
         _check_manifest(self.manifest, self.path)
@@ -132,6 +134,22 @@ class PackedDataset(Dataset):
         if self.manifest.encoding == "raw":
             return self._read_raw(idx), labels
         return self._read_jpeg(idx), labels
+
+    def advise(self, indices: Sequence[int]) -> None:
+        """Start reading, in the background, the whole read-ahead blocks that hold these records.
+
+        Called with the records of a batch still ahead in the order (``reader.batch_stream``), so the
+        disk reads them while the current batches are decoded. It does nothing with read-ahead off,
+        for records scattered over many blocks (random order), or for blocks this process advised
+        recently (``ShardFiles.advise``); it never waits for the disk.
+        """
+        if not self.readahead_bytes:
+            return
+        idx = self._checked_indices(indices)
+        shards = self._shard_of(idx)
+        for shard in np.unique(shards).tolist():
+            records = idx[shards == shard]
+            self._files.advise(shard, self._offsets[records], self._nbytes[records])
 
     def close(self) -> None:
         """Close the shard files this process opened (they reopen on the next read)."""

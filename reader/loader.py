@@ -5,6 +5,9 @@ The DataLoader hands each worker a list of indices; the worker calls ``PackedDat
 Workers are persistent, so shard descriptors and batch buffers stay warm from one epoch to the next,
 and their prefetch runs on into the next epoch (``reader.batch_stream``), so an epoch does not start
 with a stall.
+On a slow disk the main process also advises the blocks of batches about one and a half windows of
+quasi-random blocks ahead of the workers (``reader.batch_stream``), so the disk reads the next window
+while the workers decode the current one.
 Batch buffers are shared-memory slots that go back to their worker once the batch is no longer used
 in the main process (``reader.batch_memory``), so no batch pays for fresh pages.
 """
@@ -20,10 +23,14 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over
 from reader.batch_stream import BatchStream
 from reader.dataset import PackedDataset
-from reader.blocks import DEFAULT_BLOCK_BYTES
+from reader.blocks import DEFAULT_BLOCK_BYTES, block_size, block_starts
 from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
 
 MAX_DEFAULT_WORKERS = 8
+# How far ahead of the workers the main process advises blocks, in windows of ``buffer_blocks``
+# blocks: over one, so that the next window's reads are always queued while the current one is read,
+# with room for windows of uneven size.
+LOOKAHEAD_WINDOWS = 1.5
 
 
 def default_num_workers() -> int:
@@ -168,13 +175,19 @@ def make_loader(
     ``prefetch_factor`` (batches in flight per worker) to 2; ``pin_memory`` (batches copied to pinned
     memory before they are yielded) to whether CUDA is available. ``multiprocessing_context``
     ("fork", "spawn", "forkserver") is passed to the DataLoader.
+
+    With workers and a dataset that reads ahead (``readahead_bytes`` > 0), the main process advises
+    each batch's blocks ``lookahead_samples(...)`` samples before the workers get it; a wrapper
+    without ``advise`` and ``readahead_bytes`` is read without that advice.
     """
     sampler = ShardSampler(dataset, order=order, seed=seed, rank=rank, world_size=world_size,
                            pad=pad, block_bytes=block_bytes, buffer_blocks=buffer_blocks)
     workers = default_num_workers() if num_workers is None else num_workers
+    advise = dataset.advise if workers > 0 and getattr(dataset, "readahead_bytes", 0) else None
+    lookahead = lookahead_samples(dataset, block_bytes, buffer_blocks) if advise else 0
     return PackedLoader(
         dataset,
-        batch_sampler=BatchStream(sampler, batch_size, drop_last),
+        batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead),
         collate_fn=hand_over,
         worker_init_fn=enable_handoff,
         num_workers=workers,
@@ -183,3 +196,11 @@ def make_loader(
         pin_batches=torch.cuda.is_available() if pin_memory is None else pin_memory,
         multiprocessing_context=multiprocessing_context,
     )
+
+
+def lookahead_samples(dataset: PackedDataset, block_bytes: int, buffer_blocks: int) -> int:
+    """``LOOKAHEAD_WINDOWS`` windows of ``buffer_blocks`` quasi-random blocks, in samples (the blocks
+    cut as ``ShardSampler`` cuts them for ``block_bytes``)."""
+    shards = dataset.manifest.shards
+    blocks = max(len(block_starts(shards, block_size(shards, block_bytes))), 1)
+    return round(LOOKAHEAD_WINDOWS * buffer_blocks * len(dataset) / blocks)

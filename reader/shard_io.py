@@ -17,6 +17,14 @@ because a non-blocking read that misses still starts a small read-ahead of its o
 of a cold batch would put one small disk request per record in front of the big ones. A batch already
 in the page cache costs no extra system call.
 
+Advice ahead of time: a worker that misses has nothing to decode until its blocks arrive, and the
+disk idles while the workers decode what arrived. ``ShardFiles.advise`` lets the process that knows
+the order (the loader's main process, ``reader.batch_stream``) advise the blocks of batches still
+ahead through the same code path (same scattered-batch rule, same lock), so the disk reads the next
+window of blocks while the workers decode the current one; when the workers get there, their own
+advice finds the pages present or in flight and costs lookups. It remembers the blocks it advised
+recently, so the many batches drawing from one window advise each block once.
+
 File descriptors are opened lazily and belong to the process that opened them: after a ``fork`` the
 child opens its own, and a pickled reader (``spawn``) carries only the paths and block boundaries.
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +53,10 @@ MAX_READAHEAD_BLOCKS = 32
 # blocks are advised in pieces no longer than that; this is used where sysfs does not tell.
 FALLBACK_ADVICE_BYTES = 512 << 10
 MAX_ADVICE_BYTES = 2 << 20
+# ``advise`` skips the blocks among the last this many it advised: four windows of 16 blocks, which
+# covers the window being read and the one or two advised ahead of it. An older block is advised
+# again (a lookup if it is still cached, a read if it was evicted).
+RECENT_ADVICE_BLOCKS = 2 * MAX_READAHEAD_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,7 @@ class ShardFiles:
         self._pid: int | None = None
         self._fds: dict[int, int] = {}
         self._advice_bytes: dict[int, int] = {}
+        self._advised: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._nowait = True
         self._gap = memoryview(bytearray(0))
 
@@ -190,28 +204,67 @@ class ShardFiles:
         run.advance(n)
         return run.done >= run.total
 
-    def _read_ahead(self, shard: int, fd: int, pending: list[_Run]) -> None:
-        """Ask the kernel to read every block that ``pending`` runs touch, unless they are scattered.
+    def advise(self, shard: int, offsets: np.ndarray, nbytes: np.ndarray) -> None:
+        """Start reading, in the background, the whole blocks of shard ``shard`` that hold these records.
 
-        The advice is asynchronous and only advice: pages already cached cost a lookup, not a read,
-        and a file system that refuses it just leaves the runs to be read on their own.
+        For a process that knows which records come next (the loader's main process): the disk then
+        reads the next blocks while the current ones are decoded. Nothing happens without block
+        boundaries or when the records are scattered over more than ``MAX_READAHEAD_BLOCKS`` blocks,
+        and a block this process advised among its last ``RECENT_ADVICE_BLOCKS`` is not advised again,
+        so the many batches drawing from the same blocks pay one lookup each, not a system call.
         """
-        bounds = self.block_bounds[shard]
+        if self.block_bounds is None or len(offsets) == 0:
+            return
+        blocks = self._touched_blocks(shard, offsets, offsets + nbytes)
+        if len(blocks) > MAX_READAHEAD_BLOCKS:
+            return
+        fresh = [block for block in blocks.tolist() if self._note_advised(shard, block)]
+        if fresh:
+            self._advise_blocks(shard, self._fd(shard), fresh)
+
+    def _note_advised(self, shard: int, block: int) -> bool:
+        """Remember that ``block`` is being advised; False if it already was, recently."""
+        key = (shard, block)
+        if key in self._advised:
+            self._advised.move_to_end(key)
+            return False
+        self._advised[key] = None
+        if len(self._advised) > RECENT_ADVICE_BLOCKS:
+            self._advised.popitem(last=False)
+        return True
+
+    def _read_ahead(self, shard: int, fd: int, pending: list[_Run]) -> None:
+        """Ask the kernel to read every block that ``pending`` runs touch, unless they are scattered."""
         starts = np.fromiter((run.start + run.done for run in pending), np.int64, len(pending))
         ends = np.fromiter((run.start + run.total for run in pending), np.int64, len(pending))
+        blocks = self._touched_blocks(shard, starts, ends)
+        if len(blocks) <= MAX_READAHEAD_BLOCKS:
+            self._advise_blocks(shard, fd, blocks.tolist())
+
+    def _touched_blocks(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """The sorted numbers of the blocks of shard ``shard`` that the byte ranges ``[starts, ends)``
+        touch."""
+        bounds = self.block_bounds[shard]
         last_block = len(bounds) - 2
         first = np.clip(np.searchsorted(bounds, starts, "right") - 1, 0, last_block)
         last = np.clip(np.searchsorted(bounds, ends - 1, "right") - 1, 0, last_block)
         touched = np.zeros(last_block + 1, bool)
         for a, b in zip(first.tolist(), last.tolist()):
             touched[a:b + 1] = True
-        blocks = np.flatnonzero(touched)
-        if len(blocks) > MAX_READAHEAD_BLOCKS:
-            return
+        return np.flatnonzero(touched)
+
+    def _advise_blocks(self, shard: int, fd: int, blocks: list[int]) -> None:
+        """``posix_fadvise(WILLNEED)`` the whole ``blocks``, in device-sized pieces, under the shard's
+        advice lock.
+
+        The advice is asynchronous and only advice: pages already cached cost a lookup, not a read,
+        and a file system that refuses it just leaves the records to be read on their own.
+        """
+        bounds = self.block_bounds[shard]
         piece = self._advice_piece(shard, fd)
         with _advice_lock(fd):
             try:
-                for block in blocks.tolist():
+                for block in blocks:
                     end = int(bounds[block + 1])
                     for offset in range(int(bounds[block]), end, piece):
                         os.posix_fadvise(fd, offset, min(piece, end - offset), os.POSIX_FADV_WILLNEED)

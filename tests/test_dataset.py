@@ -326,3 +326,47 @@ def test_readahead_off_and_bad_values(tmp_path, images, monkeypatch):
     assert_close(batch[1], packed.images[9], "jpeg")
     with pytest.raises(ValueError, match="readahead_bytes"):
         PackedDataset(path, readahead_bytes=-1)
+
+
+def test_advise_asks_once_for_the_whole_blocks_of_the_records(tmp_path, page_sized_images, monkeypatch):
+    ds, packed = one_shard_of_blocks(tmp_path, page_sized_images, "lmdb", "jpeg", records_per_block=5)
+    disk = ColdDisk(monkeypatch)
+    ds.advise([12, 6, 13])  # blocks 1 and 2 (records 5-9 and 10-14)
+    advised = disk.advised_bytes()
+    assert set(block_span(ds, 5, 14)) <= advised
+    assert not advised & set(block_span(ds, 0, 4))
+    assert not advised & set(range(int(ds._offsets[15]), int(ds._offsets[-1] + ds._nbytes[-1])))
+    assert disk.blocking_reads == 0
+    calls = len(disk.advice)
+    ds.advise([9, 5, 14, 11])  # the same blocks again: nothing new to ask for
+    assert len(disk.advice) == calls
+    ds.advise([14, 2])  # block 0 is new, block 2 is not
+    added = disk.advised_bytes() - advised
+    assert set(block_span(ds, 0, 4)) <= added and min(added) == 0 and max(added) < ds._offsets[5]
+    batch, _ = ds.__getitems__([2, 14])
+    for row, i in zip(batch, [2, 14]):
+        assert_close(row, packed.images[i], "jpeg")
+
+
+def test_advise_forgets_old_blocks_and_skips_scattered_records(tmp_path, images, monkeypatch):
+    ds, _ = one_shard_of_blocks(tmp_path, images, "hdf5", "raw", records_per_block=2)
+    disk = ColdDisk(monkeypatch)
+    monkeypatch.setattr(reader.shard_io, "MAX_READAHEAD_BLOCKS", 2)
+    monkeypatch.setattr(reader.shard_io, "RECENT_ADVICE_BLOCKS", 2)
+    ds.advise([0, 8, 16])  # three blocks: scattered
+    assert disk.advice == []
+    for indices in ([0], [4], [0], [8], [0]):
+        ds.advise(indices)
+    starts = [offset for _, offset, _ in disk.advice]
+    assert starts.count(0) == 1 and starts.count(int(ds._offsets[4])) == 1
+    ds.advise([4])  # block 2, forgotten once block 4 came in: asked for again
+    assert [offset for _, offset, _ in disk.advice].count(int(ds._offsets[4])) == 2
+
+
+def test_advise_without_read_ahead_does_nothing(tmp_path, images, monkeypatch):
+    packed = pack_one_shard(tmp_path, images, "lmdb", "raw")
+    disk = ColdDisk(monkeypatch)
+    PackedDataset(packed.path, readahead_bytes=0).advise([1, 2, 3])
+    assert disk.advice == []
+    with pytest.raises(IndexError, match="out of range"):
+        PackedDataset(packed.path).advise([COUNT])

@@ -1,0 +1,106 @@
+"""BatchStream: the same batches with or without advice ahead, each batch advised one lookahead early,
+and make_loader wiring the dataset's advice in only where it can help."""
+from __future__ import annotations
+
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from reader import PackedDataset, make_loader
+from reader.batch_stream import BatchStream
+from reader.loader import LOOKAHEAD_WINDOWS, lookahead_samples
+from reader.sampler import ShardSampler
+from reader_helpers import make_images, pack_images
+
+COUNT = 37
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def raw_path(tmp_path_factory) -> Path:
+    dst = tmp_path_factory.mktemp("raw") / "packed"
+    return pack_images(dst, make_images(COUNT, [(16, 16)]), [i % 3 for i in range(COUNT)],
+                       storage="lmdb", encoding="raw", records_per_shard=10).path
+
+
+class Stream:
+    """A quasi-random BatchStream over the dataset and the (step, indices) of every advise call, where
+    step is how many batches the stream had yielded when the call came."""
+
+    def __init__(self, path: Path, lookahead: int, drop_last: bool = False) -> None:
+        self.sampler = ShardSampler(PackedDataset(path), seed=3, buffer_blocks=2)
+        self.calls: list[tuple[int, list[int]]] = []
+        self.yielded = 0
+        self.stream = BatchStream(self.sampler, BATCH, drop_last, advise=self.advise,
+                                  lookahead=lookahead)
+
+    def advise(self, indices: np.ndarray) -> None:
+        assert isinstance(indices, np.ndarray)
+        self.calls.append((self.yielded, indices.tolist()))
+
+    def take(self, n: int) -> list[list[int]]:
+        batches = []
+        for batch in islice(self.stream, n):
+            batches.append(batch)
+            self.yielded += 1
+        return batches
+
+
+def plain_batches(sampler: ShardSampler, n: int, drop_last: bool = False) -> list[list[int]]:
+    return list(islice(BatchStream(sampler, BATCH, drop_last), n))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("lookahead", [1, BATCH, 3 * BATCH, 2 * COUNT])
+def test_advice_changes_no_batch(raw_path, lookahead, drop_last):
+    stream = Stream(raw_path, lookahead, drop_last)
+    stream.sampler.set_epoch(2)
+    stream.sampler.start = 5
+    expected = plain_batches(stream.sampler, 40, drop_last)
+    assert stream.take(40) == expected
+    assert all(isinstance(i, int) for batch in expected for i in batch)
+
+
+def test_each_batch_is_advised_one_lookahead_before_it_is_yielded(raw_path):
+    ahead = 3  # batches: a lookahead of 2.5 batches rounds up
+    stream = Stream(raw_path, lookahead=int(2.5 * BATCH))
+    batches = stream.take(25)
+    advised = [indices for _, indices in stream.calls]
+    assert advised[:25] == batches
+    for k, (step, _) in enumerate(stream.calls):
+        assert step == max(0, k - ahead)
+
+
+def test_without_advise_or_lookahead_nothing_is_called(raw_path):
+    sampler = ShardSampler(PackedDataset(raw_path))
+    calls = []
+    assert BatchStream(sampler, BATCH, False, lookahead=8).lookahead_batches == 0
+    quiet = BatchStream(sampler, BATCH, False, advise=calls.append, lookahead=0)
+    assert list(islice(quiet, 12)) == plain_batches(sampler, 12) and calls == []
+    with pytest.raises(ValueError, match="lookahead"):
+        BatchStream(sampler, BATCH, False, advise=calls.append, lookahead=-1)
+
+
+def test_empty_stream_advises_nothing(raw_path):
+    stream = Stream(raw_path, lookahead=BATCH, drop_last=True)
+    stream.stream.batch_size = COUNT + 1
+    assert stream.take(3) == [] and stream.calls == []
+
+
+def test_make_loader_advises_with_workers_and_read_ahead_only(raw_path):
+    ds = PackedDataset(raw_path)
+    loader = make_loader(ds, BATCH, num_workers=2, buffer_blocks=2, block_bytes=1 << 20,
+                         multiprocessing_context="fork")
+    stream = loader.batch_sampler
+    assert stream.advise == ds.advise
+    expected = lookahead_samples(ds, 1 << 20, 2)
+    blocks = len(loader.shard_sampler._block_starts)
+    assert expected == round(LOOKAHEAD_WINDOWS * 2 * COUNT / blocks)
+    assert stream.lookahead_batches == -(-expected // BATCH)
+    assert make_loader(ds, BATCH, num_workers=0).batch_sampler.advise is None
+    no_read_ahead = PackedDataset(raw_path, readahead_bytes=0)
+    assert make_loader(no_read_ahead, BATCH, num_workers=2).batch_sampler.advise is None
+    yielded = [labels.tolist() for _, labels in loader]
+    assert sum(yielded, []) == ds.targets[loader.shard_sampler.rank_order()].tolist()
