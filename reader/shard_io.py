@@ -23,7 +23,8 @@ the order (the loader's main process, ``reader.batch_stream``) advise the blocks
 ahead through the same code path (same scattered-batch rule, same lock), so the disk reads the next
 window of blocks while the workers decode the current one; when the workers get there, their own
 advice finds the pages present or in flight and costs lookups. It remembers the blocks it advised
-recently, so the many batches drawing from one window advise each block once.
+recently, so the many batches drawing from one window advise each block once, and an epoch over
+a dataset that the page cache holds advises nothing.
 
 File descriptors are opened lazily and belong to the process that opened them: after a ``fork`` the
 child opens its own, and a pickled reader (``spawn``) carries only the paths and block boundaries.
@@ -53,10 +54,12 @@ MAX_READAHEAD_BLOCKS = 32
 # blocks are advised in pieces no longer than that; this is used where sysfs does not tell.
 FALLBACK_ADVICE_BYTES = 512 << 10
 MAX_ADVICE_BYTES = 2 << 20
-# ``advise`` skips the blocks among the last this many it advised: four windows of 16 blocks, which
-# covers the window being read and the one or two advised ahead of it. An older block is advised
-# again (a lookup if it is still cached, a read if it was evicted).
-RECENT_ADVICE_BLOCKS = 2 * MAX_READAHEAD_BLOCKS
+# ``advise`` skips the blocks among the last this many bytes it advised: half the machine's memory,
+# which the page cache most likely still holds. A dataset that fits is advised once per process, so
+# warm epochs make no system call; a larger one has its blocks advised again each epoch (by then the
+# page cache has dropped them). Should the cache drop a remembered block anyway, the worker that
+# misses in it reads it ahead itself.
+RECENT_ADVICE_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ class ShardFiles:
         self._pid: int | None = None
         self._fds: dict[int, int] = {}
         self._advice_bytes: dict[int, int] = {}
-        self._advised: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._advised: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._advised_bytes = 0
         self._nowait = True
         self._gap = memoryview(bytearray(0))
 
@@ -210,8 +214,8 @@ class ShardFiles:
         For a process that knows which records come next (the loader's main process): the disk then
         reads the next blocks while the current ones are decoded. Nothing happens without block
         boundaries or when the records are scattered over more than ``MAX_READAHEAD_BLOCKS`` blocks,
-        and a block this process advised among its last ``RECENT_ADVICE_BLOCKS`` is not advised again,
-        so the many batches drawing from the same blocks pay one lookup each, not a system call.
+        and a block among the last ``RECENT_ADVICE_BYTES`` this process advised is not advised again,
+        so the many batches drawing from the same blocks, and warm epochs, make no system call.
         """
         if self.block_bounds is None or len(offsets) == 0:
             return
@@ -228,9 +232,11 @@ class ShardFiles:
         if key in self._advised:
             self._advised.move_to_end(key)
             return False
-        self._advised[key] = None
-        if len(self._advised) > RECENT_ADVICE_BLOCKS:
-            self._advised.popitem(last=False)
+        bounds = self.block_bounds[shard]
+        size = self._advised[key] = int(bounds[block + 1] - bounds[block])
+        self._advised_bytes += size
+        while self._advised_bytes > RECENT_ADVICE_BYTES and len(self._advised) > 1:
+            self._advised_bytes -= self._advised.popitem(last=False)[1]
         return True
 
     def _read_ahead(self, shard: int, fd: int, pending: list[_Run]) -> None:
@@ -248,10 +254,9 @@ class ShardFiles:
         last_block = len(bounds) - 2
         first = np.clip(np.searchsorted(bounds, starts, "right") - 1, 0, last_block)
         last = np.clip(np.searchsorted(bounds, ends - 1, "right") - 1, 0, last_block)
-        touched = np.zeros(last_block + 1, bool)
-        for a, b in zip(first.tolist(), last.tolist()):
-            touched[a:b + 1] = True
-        return np.flatnonzero(touched)
+        spans = last - first + 1
+        within = np.arange(int(spans.sum())) - np.repeat(np.cumsum(spans) - spans, spans)
+        return np.unique(np.repeat(first, spans) + within)
 
     def _advise_blocks(self, shard: int, fd: int, blocks: list[int]) -> None:
         """``posix_fadvise(WILLNEED)`` the whole ``blocks``, in device-sized pieces, under the shard's

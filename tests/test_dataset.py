@@ -352,7 +352,8 @@ def test_advise_forgets_old_blocks_and_skips_scattered_records(tmp_path, images,
     ds, _ = one_shard_of_blocks(tmp_path, images, "hdf5", "raw", records_per_block=2)
     disk = ColdDisk(monkeypatch)
     monkeypatch.setattr(reader.shard_io, "MAX_READAHEAD_BLOCKS", 2)
-    monkeypatch.setattr(reader.shard_io, "RECENT_ADVICE_BLOCKS", 2)
+    sizes = np.diff(ds._files.block_bounds[0])
+    monkeypatch.setattr(reader.shard_io, "RECENT_ADVICE_BYTES", int(sizes[0] + sizes[4]))
     ds.advise([0, 8, 16])  # three blocks: scattered
     assert disk.advice == []
     for indices in ([0], [4], [0], [8], [0]):
