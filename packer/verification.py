@@ -19,12 +19,18 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from reader.format import FormatError, Manifest, file_checksum, load_manifest, read_record_table
+from reader.format import (
+    FormatError,
+    Manifest,
+    file_checksum,
+    load_manifest,
+    read_record_table,
+    table_problems,
+)
 from reader.format.hdf5_shard import RECORDS_DATASET
 from reader.format.hdf5_shard import open_readonly as open_hdf5
 from reader.format.lmdb_shard import open_readonly as open_lmdb
 from reader.format.lmdb_shard import record_key
-from reader.format.records import raw_payload_nbytes
 
 MAX_PROBLEMS_PER_CHECK = 5
 
@@ -97,19 +103,9 @@ def _check_files(
 
 def _check_table(name: str, table: np.ndarray, size: int, manifest: Manifest, report: VerifyReport) -> None:
     """Row-level sanity of one record table: labels, payload bounds, raw sizes, fixed shape."""
-    checks = [
-        ("label is not a class index", (table["label"] < 0) | (table["label"] >= len(manifest.classes))),
-        ("payload lies outside the file", table["offset"] + table["nbytes"] > size),
-    ]
-    if manifest.encoding == "raw":
-        expected = raw_payload_nbytes(table["height"].astype(np.uint64), table["width"].astype(np.uint64))
-        checks.append(("raw payload is not 3*H*W bytes", table["nbytes"] != expected))
-    if manifest.shape is not None:
-        _, height, width = manifest.shape
-        wrong_size = (table["height"] != height) | (table["width"] != width)
-        checks.append((f"size is not the manifest's {height}x{width}", wrong_size))
-    for what, bad in checks:
-        _report_records(name, np.flatnonzero(bad), what, report)
+    problems = table_problems(table, len(manifest.classes), manifest.encoding, manifest.shape, size)
+    for what, indices in problems:
+        _report_records(name, indices, what, report)
 
 
 def _read_back(

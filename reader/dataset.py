@@ -35,6 +35,7 @@ from reader.format import (
     Manifest,
     load_manifest,
     read_record_table,
+    table_problems,
 )
 from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
 
@@ -80,6 +81,11 @@ class PackedDataset(Dataset):
             if len(table) != shard.records:
                 raise FormatError(f"{self.path / shard.file}: record table has {len(table)} rows, "
                                   f"the manifest says {shard.records}")
+            problems = table_problems(table, len(self.manifest.classes), self.manifest.encoding,
+                                      self.manifest.shape)
+            if problems:
+                what, rows = problems[0]
+                raise FormatError(f"{self.path / shard.file}: record {rows[0]}: {what}")
             counts.append(len(table))
             tables.append(table)
         self._shard_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
@@ -91,7 +97,6 @@ class PackedDataset(Dataset):
         self._heights = columns["height"]
         self._widths = columns["width"]
         self.targets: np.ndarray = columns["label"]
-        self._check_records()
         block_bounds = None
         if readahead_bytes:
             size = block_size(self.manifest.shards, readahead_bytes)
@@ -228,22 +233,6 @@ class PackedDataset(Dataset):
                 records=records,
             ))
 
-    def _check_records(self) -> None:
-        """Refuse tables that disagree with the manifest, before any read relies on them."""
-        origin = self.path / "manifest.json"
-        labels = self.targets
-        if len(labels) and (labels.min() < 0 or labels.max() >= len(self.manifest.classes)):
-            raise FormatError(f"{origin}: a record's label is outside the {len(self.manifest.classes)} "
-                              "classes")
-        shape = self.manifest.shape
-        if shape is not None:
-            if len(shape) != 3 or shape[0] != 3:
-                raise FormatError(f"{origin}: shape {shape} is not [3, H, W]")
-            if len(labels) and ((self._heights != shape[1]) | (self._widths != shape[2])).any():
-                raise FormatError(f"{origin}: shape is {shape} but some records have another size")
-        if self.manifest.encoding == "raw" and (self._nbytes != 3 * self._heights * self._widths).any():
-            raise FormatError(f"{origin}: some raw records' byte sizes are not 3 * height * width")
-
 
 def _check_manifest(manifest: Manifest, path: Path) -> None:
     origin = path / "manifest.json"
@@ -251,6 +240,8 @@ def _check_manifest(manifest: Manifest, path: Path) -> None:
         raise FormatError(f"{origin}: unknown storage {manifest.storage!r}")
     if manifest.encoding not in ENCODINGS:
         raise FormatError(f"{origin}: unknown encoding {manifest.encoding!r}")
+    if manifest.shape is not None and (len(manifest.shape) != 3 or manifest.shape[0] != 3):
+        raise FormatError(f"{origin}: shape {manifest.shape} is not [3, H, W]")
 
 
 def _split(tensor: torch.Tensor, nbytes: np.ndarray) -> list[memoryview]:

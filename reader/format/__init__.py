@@ -14,7 +14,13 @@ from reader.format.manifest import (
     file_checksum,
     load_manifest,
 )
-from reader.format.records import ENCODINGS, RECORD_TABLE_DTYPE, STORAGES, shard_file_name
+from reader.format.records import (
+    ENCODINGS,
+    RECORD_TABLE_DTYPE,
+    STORAGES,
+    shard_file_name,
+    table_problems,
+)
 from reader.format.shards import ShardWriter, open_shard_writer, read_record_table
 
 __all__ = [
@@ -33,4 +39,5 @@ __all__ = [
     "open_shard_writer",
     "read_record_table",
     "shard_file_name",
+    "table_problems",
 ]
