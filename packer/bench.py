@@ -23,7 +23,6 @@ from torch.utils.data import DataLoader, Dataset
 from packer.sources import scan_source
 from packer.transforms import TransformSpec, load_image
 from reader import PackedDataset, StepTimer, make_loader
-from reader.format import Manifest
 
 
 
@@ -71,17 +70,6 @@ class FolderDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         img = load_image(self.root / str(self.paths[index]), self.spec)
         return torch.from_numpy(np.asarray(img).transpose(2, 0, 1).copy()), int(self.labels[index])
-
-
-def spec_from_manifest(manifest: Manifest) -> TransformSpec:
-    """The pre-transform a packed dataset was made with, to apply it per item to the source folder."""
-    transform = manifest.transform
-    resize = transform.get("resize")
-    crop = transform.get("crop")
-    return TransformSpec(
-        resize=None if resize is None else resize.get("shorter_side") or tuple(resize["size"]),
-        crop=None if crop is None else tuple(crop["size"]),
-    )
 
 
 def bench_packed(

@@ -14,7 +14,7 @@ import click
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, describe_transform, info
 from packer.packing import ON_ERROR, pack
-from packer.transforms import DEFAULT_MAX_PIXELS
+from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
 from packer.verification import verify
 from packer.version import __version__
 from reader.format import ENCODINGS, STORAGES, FormatError, Manifest, load_manifest
@@ -164,7 +164,7 @@ def bench_command(dataset: Path, baseline: Path | None, orders: str, workers_lis
     try:
         results = bench.bench_packed(dataset, settings, orders=order_names, workers=workers)
         if baseline is not None:
-            spec = bench.spec_from_manifest(load_manifest(dataset))
+            spec = TransformSpec.from_description(load_manifest(dataset).transform)
             results += bench.bench_folder(baseline, spec, settings, workers=workers)
         if plot is not None:
             bench.plot(results, plot, title=f"packer bench {dataset.name} (batch {batch_size})")

@@ -112,6 +112,15 @@ class TransformSpec:
             return self.resize
         return None
 
+    @classmethod
+    def from_description(cls, transform: dict[str, Any]) -> TransformSpec:
+        """The resize and crop of a manifest's ``transform`` (what ``describe`` wrote), to redo them."""
+        resize, crop = transform.get("resize"), transform.get("crop")
+        return cls(
+            resize=None if resize is None else resize.get("shorter_side") or tuple(resize["size"]),
+            crop=None if crop is None else tuple(crop["size"]),
+        )
+
     def describe(self) -> dict[str, Any]:
         """The spec as the manifest's ``transform`` object: the steps, their parameters and the rules."""
         if self.resize is None:

@@ -171,3 +171,10 @@ def test_spec_rejects_bad_sizes() -> None:
     assert TransformSpec(resize=(30, 20), crop=None).fixed_size == (30, 20)
     assert TransformSpec(resize=30, crop=(16, 12)).fixed_size == (16, 12)
     assert TransformSpec(resize=30).fixed_size is None
+
+
+@pytest.mark.parametrize("resize, crop", [(256, 224), ((320, 200), None), (None, (16, 12)), (None, None)])
+def test_spec_round_trips_through_its_manifest_description(resize, crop) -> None:
+    spec = TransformSpec(resize=resize, crop=crop)
+    again = TransformSpec.from_description(spec.describe())
+    assert (again.resize, again.crop_size) == (spec.resize, spec.crop_size)
