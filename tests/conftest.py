@@ -9,6 +9,7 @@ from PIL import Image
 
 import packer
 from pack_helpers import smooth_rgb
+from reader_helpers import SMALL_RAW_COUNT, make_images, pack_images
 
 
 @pytest.fixture
@@ -50,3 +51,13 @@ def make_packed_dataset(make_image_folder: Callable[..., Path]) -> Callable[...,
         return dst
 
     return make
+
+
+@pytest.fixture(scope="module")
+def raw_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``SMALL_RAW_COUNT`` raw 16x16 records (labels ``i % 3``) in LMDB shards of 10, packed once per
+    test module."""
+    dst = tmp_path_factory.mktemp("raw") / "packed"
+    labels = [i % 3 for i in range(SMALL_RAW_COUNT)]
+    return pack_images(dst, make_images(SMALL_RAW_COUNT, [(16, 16)]), labels,
+                       storage="lmdb", encoding="raw", records_per_shard=10).path

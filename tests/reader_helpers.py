@@ -13,6 +13,8 @@ from reader.format import Manifest, ShardInfo, file_checksum, open_shard_writer,
 
 CLASSES = ["cat", "dog", "eel"]
 JPEG_QUALITY = 95
+# Records in the ``raw_path`` fixture (conftest.py): 16x16 raw, labels i % 3, LMDB shards of 10.
+SMALL_RAW_COUNT = 37
 
 
 def make_images(count: int, sizes: list[tuple[int, int]], seed: int = 0) -> list[np.ndarray]:

@@ -12,17 +12,9 @@ from reader import PackedDataset, make_loader
 from reader.batch_stream import BatchStream
 from reader.loader import LOOKAHEAD_WINDOWS, lookahead_samples
 from reader.sampler import ShardSampler
-from reader_helpers import make_images, pack_images
+from reader_helpers import SMALL_RAW_COUNT as COUNT
 
-COUNT = 37
 BATCH = 4
-
-
-@pytest.fixture(scope="module")
-def raw_path(tmp_path_factory) -> Path:
-    dst = tmp_path_factory.mktemp("raw") / "packed"
-    return pack_images(dst, make_images(COUNT, [(16, 16)]), [i % 3 for i in range(COUNT)],
-                       storage="lmdb", encoding="raw", records_per_shard=10).path
 
 
 class Stream:
