@@ -4,16 +4,22 @@ Every record is read once, in large batches through ``__getitems__``, into one u
 ``[N, 3, H, W]`` on the device plus an int64 label tensor. An epoch is then a device-side permutation
 and one gather per batch: no host IO, no host-to-device copies, no workers. Worth it when the
 dataset fits in device memory with room to spare for the model (e.g. CIFAR, or ImageNet at 64 px).
+
+With DDP every rank holds the whole dataset and draws the same epoch permutation (seeded by
+``(seed, epoch)``), then takes its own contiguous slice of it, by ``reader.ShardSampler``'s rule: the
+permutation is padded by wrapping to a multiple of the world size (or its tail dropped with
+``pad=False``), so the ranks' slices are disjoint apart from the wrapped samples and every rank yields
+the same number of batches.
 """
 from __future__ import annotations
 
 import os
-from typing import Iterator, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
-from reader.augment import BatchAugment, epoch_generator
-from reader.prefetcher import default_device
+from reader.augment import BatchAugment, augment_from, seeded_generator
+from reader.prefetcher import default_device, default_rank
 
 # Fraction of the free memory the resident dataset may take; the rest is left to the model.
 MEMORY_FRACTION = 0.8
@@ -56,11 +62,17 @@ class GPUDataset:
     """Iterate over a resident copy of ``dataset`` in shuffled, normalized, augmented batches.
 
     Yields ``(dtype images [B, 3, H', W'], int64 labels [B])`` on ``device`` (None: CUDA when present,
-    else CPU, where it works the same). Options as in ``CUDAPrefetcher`` / ``BatchAugment``. The
-    order is ``torch.randperm`` on the device from a generator seeded by ``(seed, epoch)``; each
-    iteration uses the epoch given to ``set_epoch``, or else the one after the previous iteration.
-    Refuses datasets whose records vary in size, and datasets that would take more than
-    ``MEMORY_FRACTION`` of the device's free memory.
+    else CPU, where it works the same). The augmentation is ``augment=BatchAugment(...)``, or built
+    from ``mean``, ``std`` and ``BatchAugment``'s keyword options given here. The order is
+    ``torch.randperm`` on the device from a generator seeded by ``(seed, epoch)``, the same on every
+    rank; this rank's share of it is ``epoch_indices(epoch)`` (see the module docstring: ``rank`` and
+    ``world_size`` default to torch.distributed's when it is initialised). Augmentation draws are
+    seeded by ``(seed, epoch, rank, batch)``, so ranks draw differently. Each iteration uses the epoch
+    given to ``set_epoch``, or else the one after the previous iteration.
+
+    Refuses datasets whose records vary in size (use ``make_loader`` with ``CUDAPrefetcher``, which
+    crops each batch to one size), and datasets that would take more than ``MEMORY_FRACTION`` of the
+    device's free memory.
     """
 
     def __init__(
@@ -69,19 +81,17 @@ class GPUDataset:
         device: torch.device | str | None,
         *,
         batch_size: int,
-        mean: Sequence[float],
-        std: Sequence[float],
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        augment: BatchAugment | None = None,
         shuffle: bool = True,
         drop_last: bool = False,
         seed: int = 0,
-        dtype: torch.dtype = torch.float32,
-        channels_last: bool = False,
-        flip: bool = False,
-        crop: int | Sequence[int] | None = None,
-        random_resized_crop: int | Sequence[int] | None = None,
-        scale: Sequence[float] = (0.08, 1.0),
-        ratio: Sequence[float] = (3 / 4, 4 / 3),
+        rank: int | None = None,
+        world_size: int | None = None,
+        pad: bool = True,
         load_batch_size: int = 1024,
+        **augment_options: Any,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -90,21 +100,15 @@ class GPUDataset:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.seed = seed
+        self.rank, self.world_size = default_rank(rank, world_size)
+        self.pad = pad
         self.epoch = 0
-        self.augment = BatchAugment(
-            mean,
-            std,
-            dtype=dtype,
-            channels_last=channels_last,
-            flip=flip,
-            crop=crop,
-            random_resized_crop=random_resized_crop,
-            scale=scale,
-            ratio=ratio,
-        )
+        self.augment = augment_from(mean, std, augment, augment_options)
         shape = self._fixed_shape(dataset)
         self._check_fits(dataset, shape)
         self.images, self.labels = self._load(dataset, shape, load_batch_size)
+        count = len(self.labels)
+        self.samples_per_rank = -(-count // self.world_size) if pad else count // self.world_size
 
     @staticmethod
     def _fixed_shape(dataset: FixedShapeDataset) -> tuple[int, int, int]:
@@ -112,7 +116,9 @@ class GPUDataset:
         if shape is None:
             raise ValueError(
                 f"{_describe(dataset)}: records have different sizes, but GPUDataset stacks them in one "
-                "tensor; pack with a crop (fixed output size) to use it, or read with CUDAPrefetcher"
+                "tensor; read them with make_loader and CUDAPrefetcher(..., random_resized_crop=SIZE) for "
+                "training or center_crop=SIZE, resize=SHORTER_SIDE for evaluation, which bring each batch "
+                "to one size, or pack with --crop for a fixed size"
             )
         channels, height, width = shape
         return int(channels), int(height), int(width)
@@ -136,7 +142,7 @@ class GPUDataset:
         labels = torch.empty(count, dtype=torch.int64, device=self.device)
         for start in range(0, count, load_batch_size):
             stop = min(start + load_batch_size, count)
-            batch_images, batch_labels = dataset.__getitems__(list(range(start, stop)))
+            batch_images, batch_labels = dataset.__getitems__(list(range(start, stop)))[:2]
             if tuple(batch_images.shape[1:]) != shape:
                 raise ValueError(
                     f"{_describe(dataset)}: records {start}..{stop - 1} have shape "
@@ -147,23 +153,33 @@ class GPUDataset:
         return images, labels
 
     def __len__(self) -> int:
-        count = len(self.labels)
+        count = self.samples_per_rank
         return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration's order and augmentation draws."""
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        return self._batches(epoch_generator(self.seed, epoch, self.device))
-
-    def _batches(self, generator: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def epoch_indices(self, epoch: int) -> torch.Tensor:
+        """This rank's sample indices for ``epoch``, in order (before batching and ``drop_last``)."""
         count = len(self.labels)
         if self.shuffle:
-            order = torch.randperm(count, generator=generator, device=self.device)
+            order = torch.randperm(count, generator=seeded_generator(self.device, self.seed, epoch), device=self.device)
         else:
             order = torch.arange(count, device=self.device)
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
+        total = self.samples_per_rank * self.world_size
+        if total > count:
+            order = order.repeat(-(-total // count))
+        first = self.rank * self.samples_per_rank
+        return order[first : first + self.samples_per_rank]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return self._batches(epoch)
+
+    def _batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = self.epoch_indices(epoch)
+        for number, start in enumerate(range(0, len(self) * self.batch_size, self.batch_size)):
             indices = order[start : start + self.batch_size]
+            generator = seeded_generator(self.device, self.seed, epoch, self.rank, number)
             yield self.augment(self.images.index_select(0, indices), generator), self.labels.index_select(0, indices)

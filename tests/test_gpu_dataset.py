@@ -111,7 +111,7 @@ def test_seeded_reproducible_and_set_epoch(images: torch.Tensor) -> None:
 
 
 def test_refuses_variable_sizes(images: torch.Tensor) -> None:
-    with pytest.raises(ValueError, match="fake-packed: records have different sizes"):
+    with pytest.raises(ValueError, match="fake-packed: records have different sizes, .* read them with make_loader and CUDAPrefetcher"):
         GPUDataset(FakePackedDataset(images, None), "cpu", batch_size=4, mean=MEAN, std=STD)
 
 
