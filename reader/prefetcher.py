@@ -96,7 +96,7 @@ class CUDAPrefetcher:
         self.device = default_device(device)
         self.augment = augment_from(mean, std, augment, augment_options)
         self.seed = seed
-        self.rank, _ = default_rank(rank)
+        self.rank = default_rank(None)[0] if rank is None else rank
         self.epoch = 0
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._resume_at = 0

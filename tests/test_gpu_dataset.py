@@ -147,3 +147,28 @@ def test_end_to_end_on_a_packed_dataset(tmp_path: Path, device: str) -> None:
     expected = normalized(torch.from_numpy(np.stack([chw(image) for image in sources])))
     torch.testing.assert_close(batch.cpu().double(), expected, atol=1e-5, rtol=0)
     assert labels.tolist() == [i % 3 for i in range(9)]
+
+
+def test_explicit_ranks_split_one_permutation(images: torch.Tensor) -> None:
+    shares = [GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=2, mean=MEAN, std=STD,
+                         rank=rank, world_size=3, seed=4) for rank in range(3)]
+    indices = [share.epoch_indices(2).tolist() for share in shares]
+    assert [len(i) for i in indices] == [4, 4, 4] and [len(share) for share in shares] == [2, 2, 2]
+    assert set(sum(indices, [])) == set(range(11)) and len(sum(indices, [])) == 12
+    for share, expected in zip(shares, indices):
+        share.set_epoch(2)
+        assert torch.cat([labels for _, labels in share]).tolist() == expected
+    with pytest.raises(ValueError, match="rank 3 is not in range for world_size 3"):
+        GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=2, mean=MEAN, std=STD, rank=3, world_size=3)
+
+
+def test_takes_one_augmentation_object(images: torch.Tensor) -> None:
+    from reader.augment import BatchAugment
+
+    augment = BatchAugment(MEAN, STD, crop=(6, 7))
+    resident = GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, augment=augment)
+    assert resident.augment is augment and next(iter(resident))[0].shape == (4, 3, 6, 7)
+    with pytest.raises(TypeError, match="either augment=BatchAugment"):
+        GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, mean=MEAN, std=STD, augment=augment)
+    with pytest.raises(TypeError, match="give mean and std"):
+        GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, flip=True)
