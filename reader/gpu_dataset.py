@@ -27,13 +27,14 @@ _GIB = float(1 << 30)
 
 
 class FixedShapeDataset(Protocol):
-    """What GPUDataset needs from a dataset (``reader.PackedDataset`` provides it)."""
-
-    manifest: object
+    """What GPUDataset needs from a dataset: ``len`` and ``dataset[i] -> (uint8 [3, H, W], label)``.
+    ``__getitems__(indices) -> (images, labels)`` reads in large batches where present
+    (``reader.PackedDataset`` has it, and torch's ``Subset`` of one forwards it), and a ``manifest``
+    gives the shape up front (else the first record does)."""
 
     def __len__(self) -> int: ...
 
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]: ...
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -50,6 +51,25 @@ def free_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _variable_sizes(name: str) -> ValueError:
+    return ValueError(
+        f"{name}: records have different sizes, but GPUDataset stacks them in one tensor; read them with "
+        "make_loader and CUDAPrefetcher(..., random_resized_crop=SIZE) for training or center_crop=SIZE, "
+        "resize=SHORTER_SIDE for evaluation, which bring each batch to one size, or pack with --crop for a "
+        "fixed size"
+    )
+
+
+def _read(dataset: FixedShapeDataset, indices: list[int]) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
+    """Records ``indices`` as ``(images, int64 labels)``: one ``__getitems__`` call where the dataset
+    reads whole batches, else one ``dataset[i]`` per record (images then come as a list)."""
+    batch = dataset.__getitems__(indices) if hasattr(dataset, "__getitems__") else None
+    if isinstance(batch, tuple) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
+        return batch[0], batch[1]
+    samples = batch if batch is not None else [dataset[i] for i in indices]
+    return [image for image, *_ in samples], torch.tensor([int(label) for _, label, *_ in samples])
 
 
 def _describe(dataset: object) -> str:
@@ -112,14 +132,10 @@ class GPUDataset:
 
     @staticmethod
     def _fixed_shape(dataset: FixedShapeDataset) -> tuple[int, int, int]:
-        shape = dataset.manifest.shape
+        manifest = getattr(dataset, "manifest", None)
+        shape = manifest.shape if manifest is not None else tuple(dataset[0][0].shape)
         if shape is None:
-            raise ValueError(
-                f"{_describe(dataset)}: records have different sizes, but GPUDataset stacks them in one "
-                "tensor; read them with make_loader and CUDAPrefetcher(..., random_resized_crop=SIZE) for "
-                "training or center_crop=SIZE, resize=SHORTER_SIDE for evaluation, which bring each batch "
-                "to one size, or pack with --crop for a fixed size"
-            )
+            raise _variable_sizes(_describe(dataset))
         channels, height, width = shape
         return int(channels), int(height), int(width)
 
@@ -142,11 +158,15 @@ class GPUDataset:
         labels = torch.empty(count, dtype=torch.int64, device=self.device)
         for start in range(0, count, load_batch_size):
             stop = min(start + load_batch_size, count)
-            batch_images, batch_labels = dataset.__getitems__(list(range(start, stop)))[:2]
+            batch_images, batch_labels = _read(dataset, list(range(start, stop)))
+            if isinstance(batch_images, list):
+                if len({tuple(image.shape) for image in batch_images}) > 1:
+                    raise _variable_sizes(f"{_describe(dataset)} (records {start}..{stop - 1})")
+                batch_images = torch.stack(batch_images)
             if tuple(batch_images.shape[1:]) != shape:
                 raise ValueError(
                     f"{_describe(dataset)}: records {start}..{stop - 1} have shape "
-                    f"{tuple(batch_images.shape[1:])}, but the manifest says {shape}"
+                    f"{tuple(batch_images.shape[1:])}, but the manifest (or record 0) says {shape}"
                 )
             images[start:stop].copy_(batch_images)
             labels[start:stop].copy_(batch_labels)

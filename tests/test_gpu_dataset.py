@@ -125,7 +125,7 @@ def test_refuses_a_dataset_too_large_for_free_memory(images: torch.Tensor, monke
 
 
 def test_refuses_records_that_contradict_the_manifest(images: torch.Tensor) -> None:
-    with pytest.raises(ValueError, match=r"records 0\.\.10 have shape \(3, 12, 14\), but the manifest says"):
+    with pytest.raises(ValueError, match=r"records 0\.\.10 have shape \(3, 12, 14\), but the manifest \(or record 0\) says \(3, 16, 16\)"):
         GPUDataset(FakePackedDataset(images, [3, 16, 16]), "cpu", batch_size=4, mean=MEAN, std=STD)
 
 
@@ -172,3 +172,37 @@ def test_takes_one_augmentation_object(images: torch.Tensor) -> None:
         GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, mean=MEAN, std=STD, augment=augment)
     with pytest.raises(TypeError, match="give mean and std"):
         GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, flip=True)
+
+
+def test_torch_subset_and_concat_of_packed_datasets(tmp_path: Path) -> None:
+    from torch.utils.data import ConcatDataset, Subset
+
+    from reader import PackedDataset
+    from reader_helpers import chw, make_images, write_dataset
+
+    sources = make_images(9, [(16, 20)])
+    write_dataset(tmp_path / "a", sources, [i % 3 for i in range(9)], storage="lmdb", encoding="raw", records_per_shard=4)
+    write_dataset(tmp_path / "b", sources[:4], [2, 1, 0, 2], storage="hdf5", encoding="raw", records_per_shard=4)
+    first, second = PackedDataset(tmp_path / "a"), PackedDataset(tmp_path / "b")
+    pixels = normalized(torch.from_numpy(np.stack([chw(image) for image in sources])))
+    for dataset, rows, labels in [
+        (Subset(first, [7, 2, 5]), [7, 2, 5], [1, 2, 2]),
+        (ConcatDataset([first, second]), list(range(9)) + [0, 1, 2, 3], [i % 3 for i in range(9)] + [2, 1, 0, 2]),
+    ]:
+        resident = GPUDataset(dataset, "cpu", batch_size=len(rows), mean=MEAN, std=STD, shuffle=False,
+                              load_batch_size=2)
+        batch, got_labels = next(iter(resident))
+        torch.testing.assert_close(batch.double(), pixels[rows], atol=1e-5, rtol=0)
+        assert got_labels.tolist() == labels
+
+
+def test_refuses_a_subset_of_variable_sizes(tmp_path: Path) -> None:
+    from torch.utils.data import Subset
+
+    from reader import PackedDataset
+    from reader_helpers import make_images, write_dataset
+
+    path = write_dataset(tmp_path, make_images(4, [(16, 20), (12, 12)]), [0, 1, 2, 0], storage="lmdb",
+                         encoding="raw", records_per_shard=4)
+    with pytest.raises(ValueError, match=r"Subset \(records 0\.\.2\): records have different sizes, .* CUDAPrefetcher"):
+        GPUDataset(Subset(PackedDataset(path), [0, 1, 2]), "cpu", batch_size=2, mean=MEAN, std=STD)

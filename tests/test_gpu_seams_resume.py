@@ -1,6 +1,6 @@
 """Exact resume through CUDAPrefetcher over a real make_loader (workers 0 and 2, fixed and variable
-sizes): a state saved after k consumed batches resumes with batch k+1, pixels, labels and augmentation
-draws identical to an uninterrupted run; draws differ across ranks."""
+sizes): a state saved after k consumed batches (or between epochs) resumes with batch k+1, pixels,
+labels and augmentation draws identical to an uninterrupted run; draws differ across ranks."""
 from __future__ import annotations
 
 import copy
@@ -51,7 +51,15 @@ def test_resume_after_k_batches_equals_the_uninterrupted_run(
             if epoch == 1 and len(batches) == SAVE_AFTER:
                 saved = copy.deepcopy(run.state_dict())
         epochs.append(batches)
+        if epoch == 0:
+            between_epochs = copy.deepcopy(run.state_dict())
     assert saved["epoch"] == 1 and saved["batches"] == SAVE_AFTER
+    assert between_epochs["epoch"] == 1 and between_epochs["batches"] == 0
+
+    from_epoch_end = training_prefetcher(path, workers)
+    from_epoch_end.load_state_dict(between_epochs)
+    from_epoch_end.set_epoch(1)
+    assert_same_batches(list(from_epoch_end), epochs[1])
 
     resumed = training_prefetcher(path, workers)
     resumed.load_state_dict(saved)

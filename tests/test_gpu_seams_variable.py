@@ -112,3 +112,21 @@ def test_extras_pass_through_unchanged(uncropped: PackedDataset, raw_path: Path,
     if fixed_size:
         expected = normalized(dataset.__getitems__(list(range(len(dataset))))[0])
         torch.testing.assert_close(torch.cat([batch[0] for batch in batches]).double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_variable_size_evaluation_equals_cpu_on_another_stream(uncropped: PackedDataset) -> None:
+    def prefetcher(device: str) -> CUDAPrefetcher:
+        loader = make_loader(uncropped, batch_size=3, num_workers=0, order="sequential")
+        return CUDAPrefetcher(loader, MEAN, STD, device=device, center_crop=12, resize=14, antialias=True)
+
+    consumer = torch.cuda.Stream()
+    with torch.cuda.stream(consumer):
+        got = [(images * 1, labels * 1) for images, labels in prefetcher("cuda")]
+    torch.cuda.synchronize()
+    expected = list(prefetcher("cpu"))
+    assert len(got) == len(expected) == 3
+    for (images, labels), (want_images, want_labels) in zip(got, expected):
+        assert images.device.type == "cuda"
+        torch.testing.assert_close(images.cpu(), want_images, atol=1e-5, rtol=0)
+        assert torch.equal(labels.cpu(), want_labels)
