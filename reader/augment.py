@@ -92,6 +92,16 @@ def _pair(size: int | Sequence[int]) -> tuple[int, int]:
     return int(height), int(width)
 
 
+def _sizes_on(device: torch.device, sizes: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heights and widths as int64 tensors on ``device`` (made there when the batch has one size)."""
+    if len(set(sizes)) == 1:
+        height, width = sizes[0]
+        return (torch.full((len(sizes),), height, dtype=torch.int64, device=device),
+                torch.full((len(sizes),), width, dtype=torch.int64, device=device))
+    heights, widths = _device_tensor([[h for h, _ in sizes], [w for _, w in sizes]], device, torch.int64)
+    return heights, widths
+
+
 def _device_tensor(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``values`` on ``device`` without blocking the host: a CUDA copy goes through pinned memory."""
     host = torch.tensor(values, dtype=dtype)
@@ -112,11 +122,11 @@ class AugmentDraws:
     per output pixel (a bound, the same for the whole batch).
     """
 
-    flip: torch.Tensor | None
-    top: torch.Tensor | None
-    left: torch.Tensor | None
-    height: torch.Tensor | None
-    width: torch.Tensor | None
+    flip: torch.Tensor | None = None
+    top: torch.Tensor | None = None
+    left: torch.Tensor | None = None
+    height: torch.Tensor | None = None
+    width: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     offset: torch.Tensor | None = None
     taps: int = 2
@@ -204,41 +214,50 @@ class BatchAugment:
     def draw(self, sizes: Sequence[tuple[int, int]], generator: torch.Generator) -> AugmentDraws:
         """Every per-sample choice for a batch of images of ``sizes`` ``[(height, width), ...]``."""
         self._check_sizes(sizes)
-        device = generator.device
-        batch = len(sizes)
-        uniform = len(set(sizes)) == 1
-        if uniform:
-            heights = torch.full((batch,), sizes[0][0], dtype=torch.int64, device=device)
-            widths = torch.full((batch,), sizes[0][1], dtype=torch.int64, device=device)
+        if self.random_resized_crop is not None:
+            geometry = self._random_resized_boxes(sizes, generator)
+        elif self.resize is not None:
+            geometry = self._resized_center_crops(sizes, generator.device)
+        elif self.crop is not None or self.center_crop is not None:
+            geometry = self._windows(sizes, generator)
         else:
-            heights, widths = _device_tensor([list(s) for s in sizes], device, torch.int64).unbind(1)
-        top = left = box_h = box_w = scale = offset = None
-        taps = 2
-        if self.crop is not None:
-            box_h, box_w = torch.full_like(heights, self.crop[0]), torch.full_like(widths, self.crop[1])
-            top, left = self._corners(box_h, box_w, heights, widths, generator)
-        elif self.random_resized_crop is not None:
-            box_h, box_w = self._random_box_sizes(heights, widths, generator)
-            top, left = self._corners(box_h, box_w, heights, widths, generator)
-            out_h, out_w = self.random_resized_crop
-            scale = torch.stack([box_h.to(torch.float64) / out_h, box_w.to(torch.float64) / out_w])
-            offset = torch.zeros_like(scale)
-            taps = self._taps_bound(max(h for h, _ in sizes) / out_h, max(w for _, w in sizes) / out_w)
-        elif self.center_crop is not None:
-            per_size = {size: self._center_geometry(*size) for size in dict.fromkeys(sizes)}
-            geometry = [per_size[size] for size in sizes]
-            if self.resize is None:
-                box_h, box_w = torch.full_like(heights, self.center_crop[0]), torch.full_like(widths, self.center_crop[1])
-                top, left = (_device_tensor([g[k] for g in geometry], device, torch.int64) for k in (2, 3))
-            else:
-                top, left, box_h, box_w = torch.zeros_like(heights), torch.zeros_like(widths), heights, widths
-                plan = _device_tensor([[g[k] for g in geometry] for k in range(4)], device, torch.float64)
-                scale, offset = plan[:2], plan[2:]
-                taps = self._taps_bound(max(g[0] for g in geometry), max(g[1] for g in geometry))
+            geometry = {}
         flip = None
         if self.flip:
-            flip = torch.rand(batch, generator=generator, device=device) < 0.5
-        return AugmentDraws(flip, top, left, box_h, box_w, scale, offset, taps)
+            flip = torch.rand(len(sizes), generator=generator, device=generator.device) < 0.5
+        return AugmentDraws(flip=flip, **geometry)
+
+    def _random_resized_boxes(self, sizes: Sequence[tuple[int, int]], generator: torch.Generator) -> dict:
+        heights, widths = _sizes_on(generator.device, sizes)
+        box_h, box_w = self._random_box_sizes(heights, widths, generator)
+        top, left = self._corners(box_h, box_w, heights, widths, generator)
+        out_h, out_w = self.random_resized_crop
+        scale = torch.stack([box_h.to(torch.float64) / out_h, box_w.to(torch.float64) / out_w])
+        taps = self._taps_bound(max(h for h, _ in sizes) / out_h, max(w for _, w in sizes) / out_w)
+        return dict(top=top, left=left, height=box_h, width=box_w, scale=scale, offset=torch.zeros_like(scale),
+                    taps=taps)
+
+    def _resized_center_crops(self, sizes: Sequence[tuple[int, int]], device: torch.device) -> dict:
+        heights, widths = _sizes_on(device, sizes)
+        geometry = self._center_geometries(sizes)
+        plan = _device_tensor([[g[k] for g in geometry] for k in range(4)], device, torch.float64)
+        taps = self._taps_bound(max(g[0] for g in geometry), max(g[1] for g in geometry))
+        return dict(top=torch.zeros_like(heights), left=torch.zeros_like(widths), height=heights, width=widths,
+                    scale=plan[:2], offset=plan[2:], taps=taps)
+
+    def _windows(self, sizes: Sequence[tuple[int, int]], generator: torch.Generator) -> dict:
+        """Fixed-size windows: drawn uniformly (``crop``), or centred (``center_crop`` without resize)."""
+        window_h, window_w = self.crop or self.center_crop
+        if self.crop is not None:
+            heights, widths = _sizes_on(generator.device, sizes)
+            box_h, box_w = torch.full_like(heights, window_h), torch.full_like(widths, window_w)
+            top, left = self._corners(box_h, box_w, heights, widths, generator)
+        else:
+            geometry = self._center_geometries(sizes)
+            top, left = _device_tensor([[g[2] for g in geometry], [g[3] for g in geometry]], generator.device,
+                                       torch.int64)
+            box_h, box_w = torch.full_like(top, window_h), torch.full_like(left, window_w)
+        return dict(top=top, left=left, height=box_h, width=box_w)
 
     def apply(self, images: torch.Tensor, draws: AugmentDraws) -> torch.Tensor:
         """The augmented, normalized batch for ``images`` (uint8 ``[B, C, H, W]``, each image in the
@@ -280,7 +299,12 @@ class BatchAugment:
                 "(evaluation) to make them one size"
             )
 
-    def _center_geometry(self, height: int, width: int) -> tuple[float, float, float, float]:
+    def _center_geometries(self, sizes: Sequence[tuple[int, int]]) -> list[tuple[float, float, int, int]]:
+        """``_center_geometry`` of each image, computed once per distinct size."""
+        per_size = {size: self._center_geometry(*size) for size in dict.fromkeys(sizes)}
+        return [per_size[size] for size in sizes]
+
+    def _center_geometry(self, height: int, width: int) -> tuple[float, float, int, int]:
         """For one image: ``(row scale, column scale, top, left)`` of the center crop on the resized grid
         (torchvision's Resize(shorter side) and CenterCrop rounding); scales are 1 without ``resize``."""
         new_h, new_w = height, width
@@ -300,10 +324,11 @@ class BatchAugment:
 
     def _taps_bound(self, row_scale: float, col_scale: float) -> int:
         """Taps per output pixel for source pixels per output pixel up to these: 2 for plain bilinear;
-        the antialiased filter spans 2 x max(scale, 1) source pixels, plus one for where it falls."""
+        the antialiased filter spans 2 x max(scale, 1) source pixels, so it covers at most the ceiling
+        of that many pixel centres, plus one for float rounding at the edges."""
         if not self.antialias:
             return 2
-        return math.ceil(2 * max(row_scale, col_scale, 1.0)) + 2
+        return math.ceil(2 * max(row_scale, col_scale, 1.0)) + 1
 
     def _affine(self, device: torch.device, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
         scale, shift = self.scale_shift
