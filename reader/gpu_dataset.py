@@ -1,6 +1,6 @@
 """``GPUDataset``: a whole fixed-shape packed dataset held on the device, served as augmented batches.
 
-Every record is read once, in large batches through ``__getitems__``, into one uint8 tensor
+Every record is read once, in large batches through ``read_batch``, into one uint8 tensor
 ``[N, 3, H, W]`` on the device plus an int64 label tensor. An epoch is then a device-side permutation
 and one gather per batch: no host IO, no host-to-device copies, no workers. Worth it when the
 dataset fits in device memory with room to spare for the model (e.g. CIFAR, or ImageNet at 64 px).
@@ -28,9 +28,9 @@ _GIB = float(1 << 30)
 
 class FixedShapeDataset(Protocol):
     """What GPUDataset needs from a dataset: ``len`` and ``dataset[i] -> (uint8 [3, H, W], label)``.
-    ``__getitems__(indices) -> (images, labels)`` reads in large batches where present
-    (``reader.PackedDataset`` has it, and torch's ``Subset`` of one forwards it), and a ``manifest``
-    gives the shape up front (else the first record does)."""
+    Whole batches are read at once where the dataset can: ``read_batch(indices) -> (images, labels)``
+    (``reader.PackedDataset``), else ``__getitems__(indices)`` (torch's ``Subset`` of one forwards
+    it); a ``manifest`` gives the shape up front, else the first record does."""
 
     def __len__(self) -> int: ...
 
@@ -63,8 +63,12 @@ def _variable_sizes(name: str) -> ValueError:
 
 
 def _read(dataset: FixedShapeDataset, indices: list[int]) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
-    """Records ``indices`` as ``(images, int64 labels)``: one ``__getitems__`` call where the dataset
-    reads whole batches, else one ``dataset[i]`` per record (images then come as a list)."""
+    """Records ``indices`` as ``(images, int64 labels)``: one ``read_batch`` or ``__getitems__`` call
+    where the dataset has one, else one ``dataset[i]`` per record. A batch of samples (torch's
+    ``__getitems__`` convention) comes back with its images as a list."""
+    if hasattr(dataset, "read_batch"):
+        images, labels = dataset.read_batch(indices)[:2]
+        return images, labels
     batch = dataset.__getitems__(indices) if hasattr(dataset, "__getitems__") else None
     if isinstance(batch, tuple) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
         return batch[0], batch[1]

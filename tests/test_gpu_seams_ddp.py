@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from reader import CUDAPrefetcher, GPUDataset, PackedDataset, make_loader
+from gpu_helpers import MEAN, STD, batch_of
 from reader_helpers import SMALL_RAW_COUNT
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 WORLD = 2
 SEED = 11
 SAVE_AFTER = 2
@@ -50,7 +50,7 @@ def rank_main(rank: int, port: int, data: Path, out: Path) -> None:
         resumed = prefetcher_over_loader(dataset)
         resumed.load_state_dict(saved)
         resumed.set_epoch(1)
-        same_input = [dataset.__getitems__(list(range(8)))]
+        same_input = [batch_of(dataset, range(8))]
         resident = GPUDataset(dataset, "cpu", batch_size=4, mean=MEAN, std=STD, seed=SEED)
         unpadded = GPUDataset(dataset, "cpu", batch_size=4, mean=MEAN, std=STD, seed=SEED, pad=False)
         torch.save({

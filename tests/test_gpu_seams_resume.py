@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from reader import CUDAPrefetcher, PackedDataset, make_loader
+from gpu_helpers import MEAN, STD, batch_of
 from reader_helpers import make_images, pack_images
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SAVE_AFTER = 3  # batches of epoch 1 consumed before the checkpoint
 
 
@@ -86,7 +86,7 @@ def test_state_after_a_break_is_the_position_of_the_consumer(raw_path: Path) -> 
 
 
 def test_ranks_draw_differently_and_each_repeats(raw_path: Path) -> None:
-    batch = PackedDataset(raw_path).__getitems__(list(range(8)))
+    batch = batch_of(PackedDataset(raw_path), range(8))
 
     def first_batch(rank: int) -> torch.Tensor:
         return next(iter(CUDAPrefetcher([batch], MEAN, STD, random_resized_crop=8, flip=True, rank=rank)))[0]
@@ -96,7 +96,7 @@ def test_ranks_draw_differently_and_each_repeats(raw_path: Path) -> None:
 
 
 def test_state_needs_a_loader_that_has_one(raw_path: Path) -> None:
-    prefetcher = CUDAPrefetcher([PackedDataset(raw_path).__getitems__([0, 1])], MEAN, STD)
+    prefetcher = CUDAPrefetcher([batch_of(PackedDataset(raw_path), [0, 1])], MEAN, STD)
     list(prefetcher)
     with pytest.raises(TypeError, match=r"list has no state_dict\(\): CUDAPrefetcher saves its position only"):
         prefetcher.state_dict()

@@ -12,9 +12,9 @@ from PIL import Image
 import packer
 
 from reader import CUDAPrefetcher, PackedDataset, make_loader
+from gpu_helpers import MEAN, STD, batch_of, normalized
 from reader_helpers import CLASSES, make_images
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 SOURCE_SIZES = [(20, 30), (33, 17), (25, 25), (16, 40), (40, 28), (18, 18), (30, 45), (22, 35)]
@@ -32,11 +32,6 @@ def uncropped(tmp_path: Path) -> PackedDataset:
     assert dataset.manifest.shape is None
     assert len({tuple(dataset[i][0].shape) for i in range(len(dataset))}) == 6
     return dataset
-
-
-def normalized(images: torch.Tensor) -> torch.Tensor:
-    mean, std = torch.tensor(MEAN).double().view(3, 1, 1), torch.tensor(STD).double().view(3, 1, 1)
-    return (images.double() / 255 - mean) / std
 
 
 def resize_then_center_crop(image: torch.Tensor, shorter: int, crop: int) -> torch.Tensor:
@@ -95,7 +90,7 @@ class ExtrasLoader:
     def __iter__(self):
         for start in range(0, len(self.dataset), self.batch_size):
             indices = list(range(start, min(start + self.batch_size, len(self.dataset))))
-            images, labels = self.dataset.__getitems__(indices)
+            images, labels = batch_of(self.dataset, indices)
             yield images, labels, torch.tensor(indices), torch.tensor([i % 2 == 0 for i in indices])
 
 
@@ -110,7 +105,7 @@ def test_extras_pass_through_unchanged(uncropped: PackedDataset, raw_path: Path,
     assert indices.dtype == torch.int64 and indices.tolist() == list(range(len(dataset)))
     assert mask.dtype == torch.bool and mask.tolist() == [i % 2 == 0 for i in range(len(dataset))]
     if fixed_size:
-        expected = normalized(dataset.__getitems__(list(range(len(dataset))))[0])
+        expected = normalized(batch_of(dataset, range(len(dataset)))[0])
         torch.testing.assert_close(torch.cat([batch[0] for batch in batches]).double(), expected, atol=1e-5, rtol=0)
 
 
