@@ -19,7 +19,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 from reader.augment import BatchAugment, augment_from, seeded_generator
-from reader.prefetcher import default_device, default_rank
+from reader.prefetcher import default_device, rank_and_world_size
 
 # Fraction of the free memory the resident dataset may take; the rest is left to the model.
 MEMORY_FRACTION = 0.8
@@ -124,7 +124,7 @@ class GPUDataset:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.seed = seed
-        self.rank, self.world_size = default_rank(rank, world_size)
+        self.rank, self.world_size = rank_and_world_size(rank, world_size)
         self.pad = pad
         self.epoch = 0
         self.augment = augment_from(mean, std, augment, augment_options)

@@ -36,7 +36,7 @@ def default_device(device: torch.device | str | None) -> torch.device:
     return torch.device("cpu")
 
 
-def default_rank(rank: int | None, world_size: int | None = None) -> tuple[int, int]:
+def rank_and_world_size(rank: int | None, world_size: int | None = None) -> tuple[int, int]:
     """``(rank, world_size)``: the arguments where given, else torch.distributed's when it is
     initialised, else ``(0, 1)``."""
     initialised = dist.is_available() and dist.is_initialized()
@@ -96,7 +96,7 @@ class CUDAPrefetcher:
         self.device = default_device(device)
         self.augment = augment_from(mean, std, augment, augment_options)
         self.seed = seed
-        self.rank = default_rank(None)[0] if rank is None else rank
+        self.rank = rank_and_world_size(None)[0] if rank is None else rank
         self.epoch = 0
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._resume_at = 0
