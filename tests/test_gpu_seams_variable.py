@@ -20,14 +20,15 @@ from reader_helpers import CLASSES, make_images
 SOURCE_SIZES = [(20, 30), (33, 17), (25, 25), (16, 40), (40, 28), (18, 18), (30, 45), (22, 35)]
 
 
-@pytest.fixture
-def uncropped(tmp_path: Path) -> PackedDataset:
-    """Eight images of different aspect ratios, packed with shorter side 16 and no crop."""
+@pytest.fixture(params=["raw", "jpeg"])
+def uncropped(tmp_path: Path, request: pytest.FixtureRequest) -> PackedDataset:
+    """Eight images of different aspect ratios, packed with shorter side 16 and no crop, raw or JPEG
+    (whose batches the reader decodes channels-last)."""
     for k, image in enumerate(make_images(len(SOURCE_SIZES), SOURCE_SIZES)):
         path = tmp_path / "src" / CLASSES[k % 3] / f"{k}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(image).save(path)
-    packer.pack(tmp_path / "src", tmp_path / "packed", resize=16, workers=0, progress=False)
+    packer.pack(tmp_path / "src", tmp_path / "packed", resize=16, encoding=request.param, workers=0, progress=False)
     dataset = PackedDataset(tmp_path / "packed")
     assert dataset.manifest.shape is None
     assert len({tuple(dataset[i][0].shape) for i in range(len(dataset))}) == 6
