@@ -452,17 +452,31 @@ def _resample(
 ) -> torch.Tensor:
     """The separable interpolation of each image with its own ``rows`` and ``cols`` taps (see ``_taps``),
     mirrored where ``flip``, as float32 ``[B, C, out_h, out_w]``. Rows are gathered from the uint8 batch
-    (cheap), columns from the row-interpolated float rows; one weighted gather per tap."""
+    (cheap), columns from the row-interpolated float rows."""
     batch, channels, _, width = images.shape
     row_index, row_weight = rows
     col_index, col_weight = (_columns(flip, taps) for taps in cols)
     out_h, out_w = row_index.shape[1], col_index.shape[1]
-    interpolated_rows = torch.zeros((batch, channels, out_h, width), dtype=torch.float32, device=images.device)
-    for tap in range(row_index.shape[2]):
-        index = row_index[:, :, tap].view(batch, 1, out_h, 1).expand(batch, channels, out_h, width)
-        interpolated_rows.addcmul_(images.gather(2, index), row_weight[:, :, tap].view(batch, 1, out_h, 1))
-    out = torch.zeros((batch, channels, out_h, out_w), dtype=torch.float32, device=images.device)
-    for tap in range(col_index.shape[2]):
-        index = col_index[:, :, tap].view(batch, 1, 1, out_w).expand(batch, channels, out_h, out_w)
-        out.addcmul_(interpolated_rows.gather(3, index), col_weight[:, :, tap].view(batch, 1, 1, out_w))
+    interpolated_rows = _filter(images, 2, row_index, row_weight, (batch, 1, out_h, 1), (batch, channels, out_h, width))
+    return _filter(interpolated_rows, 3, col_index, col_weight, (batch, 1, 1, out_w), (batch, channels, out_h, out_w))
+
+
+def _filter(
+    source: torch.Tensor,
+    dim: int,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    view: tuple[int, ...],
+    shape: tuple[int, ...],
+) -> torch.Tensor:
+    """``sum_k weight[..., k] * source`` gathered along ``dim`` at ``index[..., k]``, in float32: one
+    gather per tap; two taps (plain bilinear, weights summing to 1) are one ``lerp``."""
+    def tap(k: int) -> torch.Tensor:
+        return source.gather(dim, index[:, :, k].view(view).expand(shape))
+
+    if index.shape[2] == 2:
+        return torch.lerp(tap(0).to(torch.float32), tap(1).to(torch.float32), weight[:, :, 1].view(view))
+    out = torch.zeros(shape, dtype=torch.float32, device=source.device)
+    for k in range(index.shape[2]):
+        out.addcmul_(tap(k), weight[:, :, k].view(view))
     return out
