@@ -92,7 +92,8 @@ class GPUDataset:
     rank; this rank's share of it is ``epoch_indices(epoch)`` (see the module docstring: ``rank`` and
     ``world_size`` default to torch.distributed's when it is initialised). Augmentation draws are
     seeded by ``(seed, epoch, rank, batch)``, so ranks draw differently. Each iteration uses the epoch
-    given to ``set_epoch``, or else the one after the previous iteration.
+    given to ``set_epoch``, or else the one after the previous iteration. ``state_dict()`` /
+    ``load_state_dict()`` resume after the batches yielded so far, as ``CUDAPrefetcher``'s do.
 
     Refuses datasets whose records vary in size (use ``make_loader`` with ``CUDAPrefetcher``, which
     crops each batch to one size), and datasets that would take more than ``MEMORY_FRACTION`` of the
@@ -127,6 +128,8 @@ class GPUDataset:
         self.rank, self.world_size = rank_and_world_size(rank, world_size)
         self.pad = pad
         self.epoch = 0
+        self._resume_at = 0
+        self._position = (0, 0)
         self.augment = augment_from(mean, std, augment, augment_options)
         shape = self._fixed_shape(dataset)
         self._check_fits(dataset, shape)
@@ -181,8 +184,24 @@ class GPUDataset:
         return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next iteration's order and augmentation draws."""
+        """Use ``epoch`` for the next iteration's order and augmentation draws (moving to another epoch
+        than a loaded state's drops that state's position)."""
+        if epoch != self.epoch:
+            self._resume_at = 0
+            self._position = (epoch, 0)
         self.epoch = epoch
+
+    def state_dict(self) -> dict:
+        """Where the consumer is: ``{"epoch", "batches" (yielded this epoch), "seed"}``; between
+        iterations, the position after the last batch yielded. The same on every rank."""
+        epoch, batches = self._position
+        return {"epoch": epoch, "batches": batches, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict()``: the next iteration yields the batch after the saved ones, with the
+        same order and augmentation draws as the saved run."""
+        self.seed, self.epoch, self._resume_at = state["seed"], state["epoch"], state["batches"]
+        self._position = (self.epoch, self._resume_at)
 
     def epoch_indices(self, epoch: int) -> torch.Tensor:
         """This rank's sample indices for ``epoch``, in order (before batching and ``drop_last``)."""
@@ -198,12 +217,15 @@ class GPUDataset:
         return order[first : first + self.samples_per_rank]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        return self._batches(epoch)
+        epoch, first, self.epoch, self._resume_at = self.epoch, self._resume_at, self.epoch + 1, 0
+        return self._batches(epoch, first)
 
-    def _batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _batches(self, epoch: int, first: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self.epoch_indices(epoch)
-        for number, start in enumerate(range(0, len(self) * self.batch_size, self.batch_size)):
-            indices = order[start : start + self.batch_size]
+        for number in range(first, len(self)):
+            indices = order[number * self.batch_size : (number + 1) * self.batch_size]
             generator = seeded_generator(self.device, self.seed, epoch, self.rank, number)
-            yield self.augment(self.images.index_select(0, indices), generator), self.labels.index_select(0, indices)
+            batch = self.augment(self.images.index_select(0, indices), generator), self.labels.index_select(0, indices)
+            self._position = (epoch, number + 1)
+            yield batch
+        self._position = (epoch + 1, 0)

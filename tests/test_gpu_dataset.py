@@ -206,3 +206,29 @@ def test_refuses_a_subset_of_variable_sizes(tmp_path: Path) -> None:
                          encoding="raw", records_per_shard=4)
     with pytest.raises(ValueError, match=r"Subset \(records 0\.\.2\): records have different sizes, .* CUDAPrefetcher"):
         GPUDataset(Subset(PackedDataset(path), [0, 1, 2]), "cpu", batch_size=2, mean=MEAN, std=STD)
+
+
+def test_resume_after_k_batches_equals_the_uninterrupted_run(images: torch.Tensor) -> None:
+    def resident() -> GPUDataset:
+        return GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=3, mean=MEAN, std=STD,
+                          seed=6, random_resized_crop=8, flip=True)
+
+    run = resident()
+    epochs, saved = [], None
+    for epoch in range(2):
+        run.set_epoch(epoch)
+        batches = []
+        for batch in run:
+            batches.append(batch)
+            if epoch == 0 and len(batches) == 2:
+                saved = run.state_dict()
+        epochs.append(batches)
+    assert saved == {"epoch": 0, "batches": 2, "seed": 6}
+    assert run.state_dict() == {"epoch": 2, "batches": 0, "seed": 6}
+    resumed = resident()
+    resumed.load_state_dict(saved)
+    for epoch, expected in ((0, epochs[0][2:]), (1, epochs[1])):
+        resumed.set_epoch(epoch)
+        got = list(resumed)
+        assert len(got) == len(expected)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
