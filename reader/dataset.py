@@ -28,6 +28,7 @@ from reader import blocks
 from reader.batch_memory import new_batch
 from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode import decode_jpeg_into
+from reader.decode_threads import DecodeThreads
 from reader.format import (
     ENCODINGS,
     STORAGES,
@@ -67,6 +68,7 @@ class PackedDataset(Dataset):
         fast_decode: bool = True,
         max_gap: int = DEFAULT_MAX_GAP,
         readahead_bytes: int = DEFAULT_BLOCK_BYTES,
+        decode_threads: int = 1,
     ) -> None:
         if readahead_bytes < 0:
             raise ValueError(f"readahead_bytes must be 0 (off) or positive, got {readahead_bytes}")
@@ -74,6 +76,7 @@ class PackedDataset(Dataset):
         self.readahead_bytes = readahead_bytes
         self.manifest: Manifest = load_manifest(self.path)
         self.fast_decode = fast_decode
+        self.decode_threads = DecodeThreads(decode_threads)
         _check_manifest(self.manifest, self.path)
         counts, tables = [], []
         for shard in self.manifest.shards:
@@ -197,16 +200,13 @@ class PackedDataset(Dataset):
             _, h, w = self.manifest.shape
             batch = new_batch((len(idx), h, w, 3))
             rows = batch.numpy()
-            for k, payload in enumerate(payloads):
-                self._decode(idx[k], payload, rows[k])
+            self.decode_threads.run(lambda k: self._decode(idx[k], payloads[k], rows[k]), len(idx))
             return batch.permute(0, 3, 1, 2)
         sizes = [3 * h * w for h, w in zip(heights, widths)]
-        images = []
-        for k, part in enumerate(new_batch((sum(sizes),)).split(sizes)):
-            pixels = part.view(heights[k], widths[k], 3)
-            self._decode(idx[k], payloads[k], pixels.numpy())
-            images.append(pixels.permute(2, 0, 1))
-        return images
+        pixels = [part.view(h, w, 3) for part, h, w in
+                  zip(new_batch((sum(sizes),)).split(sizes), heights, widths)]
+        self.decode_threads.run(lambda k: self._decode(idx[k], payloads[k], pixels[k].numpy()), len(idx))
+        return [image.permute(2, 0, 1) for image in pixels]
 
     def _decode(self, record: int, payload: memoryview, out: np.ndarray) -> None:
         try:

@@ -1,0 +1,56 @@
+"""``DecodeThreads``: a batch's JPEG decodes spread over threads of the process that reads it.
+
+Why: with a decoder that releases the GIL (``reader.decode.releases_gil``), threads of one process
+decode in parallel straight into the rows of one batch buffer, so one DataLoader worker can use
+several cores without another process, another batch in flight, or another copy. The pool starts on
+first use in each process (threads do not survive ``fork``, and a pickled dataset carries only the
+thread count), and the calling thread decodes its share too.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+
+class DecodeThreads:
+    """Calls ``decode(k)`` for every ``k < count`` on ``threads`` threads; 1 runs them in the caller."""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"decode_threads must be 1 or more, got {threads}")
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid: int | None = None
+
+    def __getstate__(self) -> dict:
+        return {"threads": self.threads, "_pool": None, "_pool_pid": None}
+
+    def run(self, decode: Callable[[int], None], count: int) -> None:
+        """Decode all ``count`` items, the k-th thread taking items k, k + threads, ...; the first
+        exception raised by any decode is raised here once every thread has finished."""
+        threads = min(self.threads, count)
+        if threads <= 1:
+            for k in range(count):
+                decode(k)
+            return
+        pool = self._started()
+        futures = [pool.submit(_each, decode, range(t, count, threads)) for t in range(1, threads)]
+        try:
+            _each(decode, range(0, count, threads))
+        finally:
+            for future in futures:
+                future.exception()
+        for future in futures:
+            future.result()
+
+    def _started(self) -> ThreadPoolExecutor:
+        if self._pool_pid != os.getpid():
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="jpeg-decode")
+            self._pool_pid = os.getpid()
+        return self._pool
+
+
+def _each(decode: Callable[[int], None], items: range) -> None:
+    for k in items:
+        decode(k)

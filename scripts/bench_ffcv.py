@@ -1,0 +1,249 @@
+"""This project's loader and FFCV 1.0.2 side by side, in one run, on the same pre-cropped images.
+
+    python scripts/bench_ffcv.py prepare DATA --ffcv-python PY   # .npy export + FFCV .betons
+    python scripts/bench_ffcv.py compare DATA --ffcv-python PY [--rounds 3] [--epochs 3] [--cold-root MNT]
+
+FFCV lives in its own virtual environment (``--ffcv-python``: its interpreter), never as a
+dependency of this project: the script calls it through a subprocess, and runs this project's loader
+in a subprocess of its own, so each reader starts with fresh worker processes. ``DATA`` holds the
+packed sets ``raw-lmdb`` and ``jpeg-lmdb`` (``scripts/bench_read`` makes them, ``--resize 256 --crop
+224``); ``prepare`` exports the raw set's pixels (the pre-cropped images) and labels to ``.npy`` and
+writes FFCV's ``.beton`` from them: ``RGBImageField(write_mode="jpg", jpeg_quality=90,
+max_resolution=224)`` and ``write_mode="raw"``.
+
+``compare`` alternates rounds (ours, FFCV, ours, FFCV, ...) so that load from other processes falls
+on both, and prints per encoding the median warm img/s (epochs 2 and later, page cache warm), the
+ratio, the epoch-2 first batch, and the decode bound: simplejpeg decoding every record of the packed
+JPEG set on one core, times the cores used. With ``--cold-root`` (a ``slowdisk`` mount holding copies
+of ``jpeg-lmdb`` and ``jpeg.beton``) each round also reads one cold epoch of each under
+``slowdisk run``. Both readers: batch 256, 2 workers (FFCV: 2 threads), random order for FFCV
+(``OrderOption.RANDOM``, ``os_cache=True``), ``quasi_random`` (the default) for ours.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BATCH = 256
+
+
+def run_ours(dataset: str, epochs: int, workers: int, threads: int | None) -> list[dict]:
+    """Per-epoch figures of ``make_loader`` over a packed dataset (runs in this project's venv)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from reader import PackedDataset, make_loader
+
+    kwargs = {} if threads is None else {"decode_threads": threads}
+    loader = make_loader(PackedDataset(dataset, **kwargs), BATCH, num_workers=workers)
+    return _epochs(loader, epochs, set_epoch=True)
+
+
+def run_ffcv(beton: str, epochs: int, workers: int) -> list[dict]:
+    """Per-epoch figures of FFCV's Loader over a .beton (runs in FFCV's venv)."""
+    from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import ToTensor
+
+    loader = Loader(beton, batch_size=BATCH, num_workers=workers, order=OrderOption.RANDOM,
+                    os_cache=True, drop_last=False,
+                    pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
+                               "label": [IntDecoder(), ToTensor()]})
+    return _epochs(loader, epochs, set_epoch=False)
+
+
+def _epochs(loader, epochs: int, *, set_epoch: bool) -> list[dict]:
+    rows = []
+    for epoch in range(epochs):
+        if set_epoch:
+            loader.set_epoch(epoch)
+        start = time.perf_counter()
+        first = None
+        images = 0
+        for batch in loader:
+            if first is None:
+                first = time.perf_counter() - start
+            images += len(batch[1])
+        seconds = time.perf_counter() - start
+        rows.append({"epoch": epoch + 1, "images": images, "img_s": images / seconds,
+                     "first_batch_ms": 1000 * first, "max_rss_mb": _max_rss_mb()})
+    return rows
+
+
+def _max_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def decode_bound(dataset: str) -> float:
+    """simplejpeg decoding every record of a packed JPEG set on one core (img/s), best of 3 passes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import numpy as np
+    import simplejpeg
+
+    from reader import PackedDataset
+
+    data = PackedDataset(dataset)
+    payloads = []
+    for shard, meta in enumerate(data.manifest.shards):
+        blob = (Path(dataset) / meta.file).read_bytes()
+        starts = data._shard_starts
+        for record in range(starts[shard], starts[shard] + meta.records):
+            offset, nbytes = int(data._offsets[record]), int(data._nbytes[record])
+            payloads.append(blob[offset:offset + nbytes])
+    out = np.empty((224, 224, 3), np.uint8)
+    best = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        for payload in payloads:
+            simplejpeg.decode_jpeg(payload, colorspace="RGB", fastdct=True, fastupsample=True,
+                                   buffer=out)
+        best = max(best, len(payloads) / (time.perf_counter() - start))
+    return best
+
+
+def export_npy(data: Path) -> None:
+    """The raw set's pixels as ``images.npy`` (N, 224, 224, 3) and ``labels.npy`` (runs in our venv)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import numpy as np
+
+    from reader import PackedDataset
+
+    dataset = PackedDataset(data / "raw-lmdb")
+    images = np.lib.format.open_memmap(data / "images.npy", "w+", np.uint8, (len(dataset), 224, 224, 3))
+    for start in range(0, len(dataset), BATCH):
+        read = getattr(dataset, "read_batch", dataset.__getitems__)
+        batch, _ = read(list(range(start, min(start + BATCH, len(dataset)))))[:2]
+        images[start:start + len(batch)] = batch.permute(0, 2, 3, 1).numpy()
+    images.flush()
+    np.save(data / "labels.npy", dataset.targets.astype(np.int64))
+
+
+def write_betons(data: Path) -> None:
+    """FFCV's .betons of the exported images, JPEG q90 and raw (runs in FFCV's venv)."""
+    import numpy as np
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.writer import DatasetWriter
+
+    images = np.load(data / "images.npy", mmap_mode="r")
+    labels = np.load(data / "labels.npy")
+
+    class Pairs:
+        def __len__(self) -> int:
+            return len(labels)
+
+        def __getitem__(self, i: int):
+            return np.ascontiguousarray(images[i]), int(labels[i])
+
+    for name, mode in (("jpeg", "jpg"), ("raw", "raw")):
+        writer = DatasetWriter(str(data / f"{name}.beton"), {
+            "image": RGBImageField(write_mode=mode, jpeg_quality=90, max_resolution=224),
+            "label": IntField()}, num_workers=2)
+        writer.from_indexed_dataset(Pairs())
+
+
+def _child(python: str, *args: str, slow: bool = False, lock: bool = False) -> list[dict]:
+    command = [python, __file__, *args]
+    if slow:
+        command = [os.environ.get("SLOWDISK", "/work/shared/tools/slowdisk"), "run", *command]
+    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def compare(args: argparse.Namespace) -> None:
+    data, ffcv_py, ours_py = Path(args.data), args.ffcv_python, sys.executable
+    threads = [] if args.threads is None else ["--threads", str(args.threads)]
+    figures: dict[str, list] = {}
+    bound = max(_child(ours_py, "bound", str(data / "jpeg-lmdb")) for _ in range(2))
+    for round_ in range(args.rounds):
+        for encoding in args.encodings.split(","):
+            ours = _child(ours_py, "ours", str(data / f"{encoding}-lmdb"), "--epochs", str(args.epochs),
+                          "--workers", str(args.workers), *threads)
+            peer = _child(ffcv_py, "ffcv", str(data / f"{encoding}.beton"), "--epochs", str(args.epochs),
+                          "--workers", str(args.workers))
+            figures.setdefault(f"{encoding} ours", []).append(ours)
+            figures.setdefault(f"{encoding} ffcv", []).append(peer)
+            print(f"round {round_ + 1} {encoding}: ours "
+                  + " ".join(f"{r['img_s']:,.0f}" for r in ours) + " | ffcv "
+                  + " ".join(f"{r['img_s']:,.0f}" for r in peer), flush=True)
+        if args.cold_root:
+            cold = Path(args.cold_root)
+            ours = _child(ours_py, "ours", str(cold / "jpeg-lmdb"), "--epochs", "1", "--workers",
+                          str(args.workers), *threads, slow=True)
+            peer = _child(ffcv_py, "ffcv", str(cold / "jpeg.beton"), "--epochs", "1", "--workers",
+                          str(args.workers), slow=True)
+            figures.setdefault("cold jpeg ours", []).append(ours)
+            figures.setdefault("cold jpeg ffcv", []).append(peer)
+            print(f"round {round_ + 1} cold jpeg: ours {ours[0]['img_s']:,.0f} | ffcv "
+                  f"{peer[0]['img_s']:,.0f}", flush=True)
+    print(f"\nbatch {BATCH}, {args.workers} workers, {args.rounds} alternating rounds of "
+          f"{args.epochs} epochs; warm = median of epochs 2..{args.epochs} over all rounds")
+    print(f"decode bound (simplejpeg, 1 core): {bound:,.0f} img/s; 2 cores: {2 * bound:,.0f} img/s")
+    for key in ("raw", "jpeg", "cold jpeg"):
+        if f"{key} ours" not in figures:
+            continue
+        skip = 0 if key.startswith("cold") else 1
+        ours = [r["img_s"] for run in figures[f"{key} ours"] for r in run[skip:]]
+        peer = [r["img_s"] for run in figures[f"{key} ffcv"] for r in run[skip:]]
+        mine, theirs = statistics.median(ours), statistics.median(peer)
+        line = (f"{key:9s} ours {mine:8,.0f} img/s  ffcv {theirs:8,.0f} img/s  ratio {mine / theirs:.2f}x"
+                f"  (per-round ratios " + ", ".join(
+                    f"{statistics.median([r['img_s'] for r in a[skip:]]) / statistics.median([r['img_s'] for r in b[skip:]]):.2f}"
+                    for a, b in zip(figures[f"{key} ours"], figures[f"{key} ffcv"])) + ")")
+        if key == "jpeg":
+            line += f"  {mine / (2 * bound):.0%} of the 2-core decode bound"
+        print(line)
+        if not key.startswith("cold"):
+            firsts = [run[1]["first_batch_ms"] for run in figures[f"{key} ours"] if len(run) > 1]
+            rss = [[round(r["max_rss_mb"]) for r in run] for run in figures[f"{key} ours"]]
+            print(f"          ours epoch-2 first batch ms: {', '.join(f'{f:.1f}' for f in firsts)}; "
+                  f"main-process max RSS MB per epoch: {rss}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("prepare", "compare"):
+        p = sub.add_parser(name)
+        p.add_argument("data")
+        p.add_argument("--ffcv-python", required=True)
+        p.add_argument("--rounds", type=int, default=3)
+        p.add_argument("--epochs", type=int, default=3)
+        p.add_argument("--workers", type=int, default=2)
+        p.add_argument("--threads", type=int, default=None)
+        p.add_argument("--encodings", default="jpeg,raw")
+        p.add_argument("--cold-root", default=None)
+    for name in ("ours", "ffcv"):
+        p = sub.add_parser(name)
+        p.add_argument("path")
+        p.add_argument("--epochs", type=int, default=3)
+        p.add_argument("--workers", type=int, default=2)
+        p.add_argument("--threads", type=int, default=None)
+    sub.add_parser("bound").add_argument("path")
+    sub.add_parser("export").add_argument("data")
+    sub.add_parser("betons").add_argument("data")
+    args = parser.parse_args()
+    if args.command == "ours":
+        print(json.dumps(run_ours(args.path, args.epochs, args.workers, args.threads)))
+    elif args.command == "ffcv":
+        print(json.dumps(run_ffcv(args.path, args.epochs, args.workers)))
+    elif args.command == "bound":
+        print(json.dumps(decode_bound(args.path)))
+    elif args.command == "export":
+        export_npy(Path(args.data))
+    elif args.command == "betons":
+        write_betons(Path(args.data))
+    elif args.command == "prepare":
+        subprocess.run([sys.executable, __file__, "export", args.data], check=True)
+        subprocess.run([args.ffcv_python, __file__, "betons", args.data], check=True)
+    else:
+        compare(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The GIL-releasing TurboJPEG decoder: the same pixels as simplejpeg, errors as ValueError, a
+fallback where the library is missing, and threaded batch decodes equal to one-thread decodes."""
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import numpy as np
+import pytest
+import simplejpeg
+from PIL import Image
+
+import reader.decode
+import reader.turbojpeg
+from reader import PackedDataset
+from reader.format import FormatError
+from reader_helpers import make_images, pack_images
+
+needs_turbojpeg = pytest.mark.skipif(not reader.turbojpeg.available(),
+                                     reason="libturbojpeg0 is not installed")
+
+
+def jpeg(image: np.ndarray, subsampling: int) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, "JPEG", quality=90, subsampling=subsampling)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def photos() -> list[np.ndarray]:
+    return make_images(4, [(37, 29), (64, 48)])
+
+
+@needs_turbojpeg
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("subsampling", [0, 2], ids=["4:4:4", "4:2:0"])
+def test_same_pixels_as_simplejpeg(photos, fast, subsampling):
+    for image in photos:
+        payload = jpeg(image, subsampling)
+        expected = simplejpeg.decode_jpeg(payload, colorspace="RGB", fastdct=fast, fastupsample=fast)
+        out = np.full(image.shape, 7, np.uint8)
+        reader.turbojpeg.decode_into(memoryview(payload), out, fast=fast)
+        np.testing.assert_array_equal(out, expected)
+
+
+@needs_turbojpeg
+def test_bad_bytes_and_wrong_size_raise_value_error(photos):
+    payload = jpeg(photos[0], 2)
+    out = np.empty(photos[0].shape, np.uint8)
+    with pytest.raises(ValueError):
+        reader.turbojpeg.decode_into(memoryview(b"\0" * 64 + payload[64:]), out, fast=True)
+    with pytest.raises(ValueError):
+        reader.turbojpeg.decode_into(memoryview(payload[: len(payload) // 2]), out, fast=True)
+    h, w, _ = photos[0].shape
+    with pytest.raises(ValueError, match=f"decodes to {w}x{h}, the record table says {w + 1}x{h}"):
+        reader.turbojpeg.decode_into(memoryview(payload), np.empty((h, w + 1, 3), np.uint8), fast=True)
+
+
+@needs_turbojpeg
+def test_decode_releases_the_gil(photos):
+    """While one thread decodes in a loop, a pure-Python thread keeps counting."""
+    big = np.ascontiguousarray(np.tile(photos[1], (8, 8, 1)))
+    payload, out, stop = memoryview(jpeg(big, 2)), np.empty(big.shape, np.uint8), threading.Event()
+
+    def decode_until_stopped() -> None:
+        while not stop.is_set():
+            reader.turbojpeg.decode_into(payload, out, fast=False)
+
+    thread = threading.Thread(target=decode_until_stopped)
+    thread.start()
+    try:
+        counted, end = 0, time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            counted += 1
+    finally:
+        stop.set()
+        thread.join()
+    np.testing.assert_array_equal(out, simplejpeg.decode_jpeg(payload, colorspace="RGB"))
+    assert counted > 1000
+
+
+def test_without_turbojpeg_the_dataset_decodes_with_simplejpeg(tmp_path, monkeypatch, photos):
+    packed = pack_images(tmp_path / "packed", photos, [0, 1, 0, 1], storage="lmdb", encoding="jpeg",
+                         records_per_shard=10)
+    with_library = PackedDataset(packed.path).__getitems__([0, 1, 2, 3])[0]
+    monkeypatch.setattr(reader.turbojpeg, "available", lambda: False)
+    monkeypatch.setattr(reader.turbojpeg, "decode_into", None)
+    assert not reader.decode.releases_gil()
+    without = PackedDataset(packed.path).__getitems__([0, 1, 2, 3])[0]
+    for a, b in zip(with_library, without):
+        assert torch_equal(a, b)
+
+
+def torch_equal(a, b) -> bool:
+    return a.shape == b.shape and bool((a == b).all())
+
+
+@pytest.mark.parametrize("size", [[(24, 32)], [(24, 32), (17, 9)]], ids=["fixed", "variable"])
+def test_decode_threads_give_the_same_batch(tmp_path, size):
+    images = make_images(19, size)
+    packed = pack_images(tmp_path / "packed", images, [i % 3 for i in range(19)], storage="lmdb",
+                         encoding="jpeg", records_per_shard=8)
+    order = [5, 0, 18, 3, 3, 11, 7, 1, 2, 4, 6, 8, 9, 10, 12, 13, 14, 15, 16, 17]
+    one, labels_one = PackedDataset(packed.path).__getitems__(order)
+    three, labels_three = PackedDataset(packed.path, decode_threads=3).__getitems__(order)
+    assert labels_one.tolist() == labels_three.tolist()
+    for a, b in zip(one, three):
+        assert torch_equal(a, b)
+
+
+def test_decode_threads_report_the_bad_record(tmp_path):
+    images = make_images(9, [(24, 32)])
+    packed = pack_images(tmp_path / "packed", images, [0] * 9, storage="hdf5", encoding="jpeg",
+                         records_per_shard=20)
+    ds = PackedDataset(packed.path, decode_threads=2)
+    with open(packed.path / "shard-00000.h5", "r+b") as f:
+        f.seek(int(ds._offsets[5]))
+        f.write(b"\0" * 64)
+    with pytest.raises(FormatError, match=r"shard-00000\.h5: record 5 .*not a valid JPEG"):
+        ds.__getitems__(list(range(9)))
+    with pytest.raises(ValueError, match="decode_threads must be 1 or more, got 0"):
+        PackedDataset(packed.path, decode_threads=0)
