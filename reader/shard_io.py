@@ -43,6 +43,7 @@ from typing import Iterator
 import numpy as np
 
 from reader.format import FormatError
+from reader.mapped_copy import MappedFile
 
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 DEFAULT_MAX_GAP = 64 << 10
@@ -113,6 +114,7 @@ class ShardFiles:
         self._advised: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._advised_bytes = 0
         self._nowait = True
+        self._maps: dict[int, MappedFile] = {}
         self._gap = memoryview(bytearray(0))
 
     def __getstate__(self) -> dict:
@@ -128,6 +130,7 @@ class ShardFiles:
         """Close this process's descriptors (descriptors inherited through ``fork`` are the child's own
         copies, so closing them never disturbs the parent)."""
         fds, self._fds = self._fds, {}
+        self._maps = {}
         for fd in fds.values():
             os.close(fd)
 
@@ -154,8 +157,10 @@ class ShardFiles:
         if self.block_bounds is None:
             pending = runs
         else:
+            mapped = self._mapped(shard, fd)
             cached = 0
-            while cached < len(runs) and self._read_cached(fd, runs[cached]):
+            while cached < len(runs) and (self._copy_mapped(mapped, runs[cached])
+                                          or self._read_cached(fd, runs[cached])):
                 cached += 1
             pending = runs[cached:]
             if pending:
@@ -187,6 +192,26 @@ class ShardFiles:
         for run in runs:
             run.total = run.ends[-1][1]
         return runs
+
+    def _mapped(self, shard: int, fd: int) -> MappedFile | None:
+        """This process's mapping of the shard, remapped when the file has grown; None when it has
+        shrunk (the file changed: its records are read with ``preadv``, which reports it)."""
+        size = os.fstat(fd).st_size
+        mapped = self._maps.get(shard)
+        if mapped is None or len(mapped.bytes) < size:
+            try:
+                mapped = self._maps[shard] = MappedFile(fd)
+            except (OSError, ValueError):
+                return None
+        return mapped if len(mapped.bytes) == size else None
+
+    @staticmethod
+    def _copy_mapped(mapped: MappedFile | None, run: _Run) -> bool:
+        """Copy ``run`` from the mapping when all its pages are resident (``reader.mapped_copy``)."""
+        if mapped is None or not mapped.resident(run.start + run.done, run.start + run.total):
+            return False
+        run.advance(mapped.copy(run.start + run.done, run.iovecs))
+        return True
 
     def _read_cached(self, fd: int, run: _Run) -> bool:
         """Read what of ``run`` the page cache holds, without waiting for the disk; True if complete.

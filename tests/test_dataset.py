@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+import reader.mapped_copy
 import reader.shard_io
 from reader import PackedDataset
 from reader.format import FormatError
@@ -220,8 +221,9 @@ def test_batch_buffers_are_reused_only_once_dropped(packed):
 
 
 class ColdDisk:
-    """Stands in for a cold page cache: reads with ``RWF_NOWAIT`` find nothing (or are refused, like
-    on a file system without non-blocking reads), and every WILLNEED is recorded as (fd, offset, len)."""
+    """Stands in for a cold page cache: no page of a mapped shard is resident, reads with
+    ``RWF_NOWAIT`` find nothing (or are refused, like on a file system without non-blocking reads),
+    and every WILLNEED is recorded as (fd, offset, len)."""
 
     def __init__(self, monkeypatch, nowait_error: OSError = BlockingIOError(11, "cold")) -> None:
         self.advice: list[tuple[int, int, int]] = []
@@ -240,6 +242,7 @@ class ColdDisk:
 
         monkeypatch.setattr(reader.shard_io.os, "preadv", preadv)
         monkeypatch.setattr(reader.shard_io.os, "posix_fadvise", fadvise)
+        monkeypatch.setattr(reader.mapped_copy.MappedFile, "resident", lambda self, start, end: False)
 
     def advised_bytes(self) -> set[int]:
         return {b for _, offset, length in self.advice for b in range(offset, offset + length)}
