@@ -2,6 +2,7 @@
 
     python scripts/bench_ffcv.py prepare DATA --ffcv-python PY   # .npy export + FFCV .betons
     python scripts/bench_ffcv.py compare DATA --ffcv-python PY [--rounds 3] [--epochs 3] [--cold-root MNT]
+        [--before CHECKOUT]   # also run another checkout's loader in every round (before/after)
 
 FFCV lives in its own virtual environment (``--ffcv-python``: its interpreter), never as a
 dependency of this project: the script calls it through a subprocess, and runs this project's loader
@@ -147,8 +148,8 @@ def write_betons(data: Path) -> None:
         writer.from_indexed_dataset(Pairs())
 
 
-def _child(python: str, *args: str, slow: bool = False, lock: bool = False) -> list[dict]:
-    command = [python, __file__, *args]
+def _child(python: str, *args: str, slow: bool = False, script: str = __file__) -> list[dict]:
+    command = [python, script, *args]
     if slow:
         command = [os.environ.get("SLOWDISK", "/work/shared/tools/slowdisk"), "run", *command]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
@@ -168,9 +169,15 @@ def compare(args: argparse.Namespace) -> None:
                           "--workers", str(args.workers))
             figures.setdefault(f"{encoding} ours", []).append(ours)
             figures.setdefault(f"{encoding} ffcv", []).append(peer)
-            print(f"round {round_ + 1} {encoding}: ours "
-                  + " ".join(f"{r['img_s']:,.0f}" for r in ours) + " | ffcv "
-                  + " ".join(f"{r['img_s']:,.0f}" for r in peer), flush=True)
+            line = (f"round {round_ + 1} {encoding}: ours " + " ".join(f"{r['img_s']:,.0f}" for r in ours)
+                    + " | ffcv " + " ".join(f"{r['img_s']:,.0f}" for r in peer))
+            if args.before:
+                before = _child(ours_py, "ours", str(data / f"{encoding}-lmdb"), "--epochs",
+                                str(args.epochs), "--workers", str(args.workers),
+                                script=str(Path(args.before) / "scripts" / "bench_ffcv.py"))
+                figures.setdefault(f"{encoding} before", []).append(before)
+                line += " | before " + " ".join(f"{r['img_s']:,.0f}" for r in before)
+            print(line, flush=True)
         if args.cold_root:
             cold = Path(args.cold_root)
             ours = _child(ours_py, "ours", str(cold / "jpeg-lmdb"), "--epochs", "1", "--workers",
@@ -198,6 +205,10 @@ def compare(args: argparse.Namespace) -> None:
         if key == "jpeg":
             line += f"  {mine / (2 * bound):.0%} of the 2-core decode bound"
         print(line)
+        if f"{key} before" in figures:
+            before = statistics.median([r["img_s"] for run in figures[f"{key} before"] for r in run[1:]])
+            print(f"          before (--before checkout): {before:,.0f} img/s, ratio {before / theirs:.2f}x;"
+                  f" this checkout / before: {mine / before:.2f}x")
         if not key.startswith("cold"):
             firsts = [run[1]["first_batch_ms"] for run in figures[f"{key} ours"] if len(run) > 1]
             rss = [[round(r["max_rss_mb"]) for r in run] for run in figures[f"{key} ours"]]
@@ -218,6 +229,7 @@ def main() -> None:
         p.add_argument("--threads", type=int, default=None)
         p.add_argument("--encodings", default="jpeg,raw")
         p.add_argument("--cold-root", default=None)
+        p.add_argument("--before", default=None, help="another checkout of this project, run alongside")
     for name in ("ours", "ffcv"):
         p = sub.add_parser(name)
         p.add_argument("path")

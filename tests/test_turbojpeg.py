@@ -80,14 +80,14 @@ def test_decode_releases_the_gil(photos):
     assert counted > 1000
 
 
-def test_without_turbojpeg_the_dataset_decodes_with_simplejpeg(tmp_path, monkeypatch, photos):
+def test_without_turbojpeg_threads_decode_with_simplejpeg(tmp_path, monkeypatch, photos):
     packed = pack_images(tmp_path / "packed", photos, [0, 1, 0, 1], storage="lmdb", encoding="jpeg",
                          records_per_shard=10)
-    with_library = PackedDataset(packed.path).__getitems__([0, 1, 2, 3])[0]
+    with_library = PackedDataset(packed.path, decode_threads=2).__getitems__([0, 1, 2, 3])[0]
     monkeypatch.setattr(reader.turbojpeg, "available", lambda: False)
     monkeypatch.setattr(reader.turbojpeg, "decode_into", None)
     assert not reader.decode.releases_gil()
-    without = PackedDataset(packed.path).__getitems__([0, 1, 2, 3])[0]
+    without = PackedDataset(packed.path, decode_threads=2).__getitems__([0, 1, 2, 3])[0]
     for a, b in zip(with_library, without):
         assert torch_equal(a, b)
 
@@ -97,7 +97,11 @@ def torch_equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("size", [[(24, 32)], [(24, 32), (17, 9)]], ids=["fixed", "variable"])
-def test_decode_threads_give_the_same_batch(tmp_path, size):
+def test_decode_threads_give_the_same_batch(tmp_path, size, monkeypatch):
+    calls = []
+    real_decode = reader.turbojpeg.decode_into
+    monkeypatch.setattr(reader.turbojpeg, "decode_into",
+                        lambda *a, **k: calls.append(1) or real_decode(*a, **k))
     images = make_images(19, size)
     packed = pack_images(tmp_path / "packed", images, [i % 3 for i in range(19)], storage="lmdb",
                          encoding="jpeg", records_per_shard=8)
@@ -105,6 +109,7 @@ def test_decode_threads_give_the_same_batch(tmp_path, size):
     one, labels_one = PackedDataset(packed.path).__getitems__(order)
     three, labels_three = PackedDataset(packed.path, decode_threads=3).__getitems__(order)
     assert labels_one.tolist() == labels_three.tolist()
+    assert len(calls) == (len(order) if reader.turbojpeg.available() else 0)
     for a, b in zip(one, three):
         assert torch_equal(a, b)
 
