@@ -99,12 +99,34 @@ def enable_handoff(worker_id: int) -> None:
 
 
 def hand_over(batch: tuple) -> tuple:
-    """Collate function run in the worker: mark the batch's slot as owned by the main process."""
-    if _handoff_pid == os.getpid():
+    """Collate function run in the worker: mark the batch's slot as owned by the main process, and
+    send the labels by value (``received_labels`` makes them a tensor again).
+
+    Why by value: a small tensor crossing to the main process is moved into a new shared-memory file
+    whose descriptor is passed over a socket, about 0.2 ms in the worker and more in the main process
+    per batch; 2 KB of pickled numpy costs a tenth of that.
+    """
+    if _handoff_pid == os.getpid() and isinstance(batch, tuple) and len(batch) >= 2:
         trailer = _trailer_of(batch[0])
         if trailer is not None:
             trailer.numpy()[STATE_BYTE] = SENT
+        if isinstance(batch[1], torch.Tensor):
+            batch = (batch[0], _ByValue(batch[1].numpy()), *batch[2:])
     return batch
+
+
+class _ByValue:
+    """A numpy array that ``received_labels`` turns back into a tensor in the main process."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+
+def received_labels(labels: object) -> object:
+    """The labels of a batch from ``hand_over`` as a tensor again (anything else as it is)."""
+    return torch.from_numpy(labels.array) if isinstance(labels, _ByValue) else labels
 
 
 class SlotReleaser:

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-from reader.batch_memory import SlotReleaser, enable_handoff, hand_over
+from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, received_labels
 from reader.batch_stream import BatchStream
 from reader.dataset import PackedDataset
 from reader.blocks import DEFAULT_BLOCK_BYTES, block_size, block_starts
@@ -105,6 +105,7 @@ class PackedLoader(DataLoader):
         self._stream_next = None
         for _ in range(count):
             images, labels = next(batches)
+            labels = received_labels(labels)
             if self._pin_batches:
                 images, labels = _pinned(images), labels.pin_memory()
             self._releaser.release_unused()
