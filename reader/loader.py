@@ -144,7 +144,7 @@ class _ReleasingIterator(_MultiProcessingDataLoaderIter):
     def _try_get_data(self, *args, **kwargs):
         success, data = super()._try_get_data(*args, **kwargs)
         if success:
-            self._releaser.track(data[1])
+            data = (data[0], self._releaser.receive(data[1]), *data[2:])
         return success, data
 
 
