@@ -2,9 +2,8 @@
 fallback where the library is missing, and threaded batch decodes equal to one-thread decodes."""
 from __future__ import annotations
 
+import ctypes
 import io
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -58,26 +57,11 @@ def test_bad_bytes_and_wrong_size_raise_value_error(photos):
 
 
 @needs_turbojpeg
-def test_decode_releases_the_gil(photos):
-    """While one thread decodes in a loop, a pure-Python thread keeps counting."""
-    big = np.ascontiguousarray(np.tile(photos[1], (8, 8, 1)))
-    payload, out, stop = memoryview(jpeg(big, 2)), np.empty(big.shape, np.uint8), threading.Event()
-
-    def decode_until_stopped() -> None:
-        while not stop.is_set():
-            reader.turbojpeg.decode_into(payload, out, fast=False)
-
-    thread = threading.Thread(target=decode_until_stopped)
-    thread.start()
-    try:
-        counted, end = 0, time.perf_counter() + 0.3
-        while time.perf_counter() < end:
-            counted += 1
-    finally:
-        stop.set()
-        thread.join()
-    np.testing.assert_array_equal(out, simplejpeg.decode_jpeg(payload, colorspace="RGB"))
-    assert counted > 1000
+def test_library_calls_release_the_gil():
+    """ctypes releases the GIL around calls into a ``CDLL`` (a ``PyDLL`` would keep it); the speed
+    this buys is measured by the benchmark, not asserted here."""
+    library = reader.turbojpeg._library()
+    assert isinstance(library, ctypes.CDLL) and not isinstance(library, ctypes.PyDLL)
 
 
 def test_without_turbojpeg_threads_decode_with_simplejpeg(tmp_path, monkeypatch, photos):
