@@ -1,6 +1,6 @@
 """``GPUDataset``: a whole fixed-shape packed dataset held on the device, served as augmented batches.
 
-Every record is read once, in large batches through ``__getitems__``, into one uint8 tensor
+Every record is read once, in large batches through ``read_batch``, into one uint8 tensor
 ``[N, 3, H, W]`` on the device plus an int64 label tensor. An epoch is then a device-side permutation
 and one gather per batch: no host IO, no host-to-device copies, no workers. Worth it when the
 dataset fits in device memory with room to spare for the model (e.g. CIFAR, or ImageNet at 64 px).
@@ -27,7 +27,7 @@ class FixedShapeDataset(Protocol):
 
     def __len__(self) -> int: ...
 
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def read_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -136,7 +136,7 @@ class GPUDataset:
         labels = torch.empty(count, dtype=torch.int64, device=self.device)
         for start in range(0, count, load_batch_size):
             stop = min(start + load_batch_size, count)
-            batch_images, batch_labels = dataset.__getitems__(list(range(start, stop)))
+            batch_images, batch_labels = dataset.read_batch(list(range(start, stop)))
             if tuple(batch_images.shape[1:]) != shape:
                 raise ValueError(
                     f"{_describe(dataset)}: records {start}..{stop - 1} have shape "

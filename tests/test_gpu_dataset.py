@@ -17,7 +17,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class FakePackedDataset:
-    """The interface GPUDataset uses: ``len``, ``manifest.shape``, ``__getitems__``; counts the reads."""
+    """The interface GPUDataset uses: ``len``, ``manifest.shape``, ``read_batch``; counts the reads."""
 
     def __init__(self, images: torch.Tensor, shape: list[int] | None) -> None:
         self.images = images
@@ -28,7 +28,7 @@ class FakePackedDataset:
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         self.reads.append(list(indices))
         batch = self.images[indices].contiguous(memory_format=torch.channels_last)
         return batch, torch.tensor(indices, dtype=torch.int64)

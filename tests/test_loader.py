@@ -105,7 +105,8 @@ def test_resume_mid_epoch_equals_uninterrupted(raw_path, num_workers):
     batches = iter(first)
     seen = [next(batches)[0] for _ in range(2)]
     state = first.state_dict()
-    assert state == {"epoch": 3, "seed": 7, "order": "quasi_random", "start": 2 * BATCH}
+    assert state == {"epoch": 3, "seed": 7, "order": "quasi_random", "start": 2 * BATCH, "world_size": 1,
+                     "history": []}
 
     resumed = make_loader(ds, BATCH, num_workers=num_workers, seed=0, drop_last=True)
     resumed.load_state_dict(state)
