@@ -124,7 +124,8 @@ def as_view(dataset: Dataset) -> PackedView:
 
 
 def _gathered(pieces: list[tuple[np.ndarray, Images]], count: int) -> Images:
-    """One batch of ``count`` images from the parts' batches, each piece going to its ``members``."""
+    """One batch of ``count`` images from the parts' batches, each piece going to its ``members``,
+    copied into one new batch buffer (the parts' buffers go back to their pool at once)."""
     tensors = [images for _, images in pieces]
     if all(isinstance(t, torch.Tensor) for t in tensors) and len({t.shape[1:] for t in tensors}) == 1:
         _, channels, height, width = tensors[0].shape
@@ -135,11 +136,14 @@ def _gathered(pieces: list[tuple[np.ndarray, Images]], count: int) -> Images:
         for members, images in pieces:
             batch[torch.from_numpy(members)] = images
         return batch
-    out: list[torch.Tensor | None] = [None] * count
+    ordered: list[torch.Tensor] = [torch.empty(0)] * count
     for members, images in pieces:
         for k, image in zip(members.tolist(), images):
-            out[k] = image
-    return out
+            ordered[k] = image
+    # One buffer for all (a make_loader worker hands over the slot behind the first image only).
+    flat = new_batch((sum(image.numel() for image in ordered),))
+    return [part.view(image.shape).copy_(image)
+            for part, image in zip(flat.split([image.numel() for image in ordered]), ordered)]
 
 
 def _resolve(dataset: Dataset) -> tuple[list, np.ndarray, np.ndarray | None]:

@@ -23,8 +23,10 @@ counts every record exactly once (``make_loader(evaluation=True)`` yields that m
 
 One seed per run: the order is one order for all ranks, split between them, so every rank must use the
 same seed (and see the same dataset). When torch.distributed is initialised the ranks check this
-with one collective at construction, and all raise ``ValueError`` when they disagree: a per-rank seed
-(``seed=rank``) would give overlapping shares, some records seen twice and others never.
+with one collective at construction (``all_gather_object``: every rank must build its sampler, and
+under NCCL each rank's CUDA device must be set first, as DDP needs anyway), and all raise
+``ValueError`` when they disagree: a per-rank seed (``seed=rank``) would give overlapping shares, some
+records seen twice and others never.
 
 Resume: ``start`` skips the first ``start`` samples of this rank's epoch order. It is part of
 ``state_dict()`` and stays in force until ``set_epoch`` moves to another epoch. The state records the

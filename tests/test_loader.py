@@ -86,9 +86,10 @@ def test_epochs_differ_and_seed_repeats(raw_path):
 
 def test_loader_reads_whole_batches(raw_path, monkeypatch):
     def no_single_items(self, index):
-        raise AssertionError("the loader must call __getitems__, not __getitem__")
+        raise AssertionError("the loader must call read_batch, not __getitem__ or __getitems__")
 
     monkeypatch.setattr(PackedDataset, "__getitem__", no_single_items)
+    monkeypatch.setattr(PackedDataset, "__getitems__", no_single_items)
     loader = make_loader(PackedDataset(raw_path), BATCH, num_workers=0)
     assert sum(len(labels) for _, labels in loader) == COUNT
 

@@ -146,6 +146,23 @@ def test_make_loader_over_a_concatenation(raw, other, jpeg, num_workers):
         assert labels == [mixed[p][1] for p in positions]
 
 
+def test_make_loader_over_a_concatenation_of_variable_size_datasets(tmp_path):
+    """Mixed batches of variable-size records cross the worker boundary in one batch slot: the batches
+    kept until the end of the epoch still hold their own pixels."""
+    sizes = [(12, 16), (10, 14), (9, 9)]
+    parts = [PackedDataset(pack_images(tmp_path / name, make_images(9, sizes, seed=seed), [0] * 9,
+                                       storage="lmdb", encoding=encoding, records_per_shard=4).path)
+             for name, seed, encoding in (("raw", 1, "raw"), ("jpeg", 2, "jpeg"))]
+    concat = ConcatDataset(parts)
+    loader = make_loader(concat, 4, num_workers=2, order="random", multiprocessing_context="fork")
+    batches = [images for images, _ in loader]
+    positions = loader.shard_sampler.rank_order().tolist()
+    images = [image for batch in batches for image in batch]
+    assert all(isinstance(batch, list) for batch in batches)
+    assert [tuple(image.shape) for image in images] == [tuple(concat[p][0].shape) for p in positions]
+    assert all(torch.equal(image, concat[p][0]) for image, p in zip(images, positions))
+
+
 def test_subset_and_concatenation_keep_the_block_order(raw, other):
     """With one block per window, the quasi-random order reads each block of the files in one run."""
     ds = PackedDataset(raw.path)
