@@ -1,7 +1,7 @@
 """``split``: a deterministic, stratified train/validation split of a packed dataset, as two ``Subset``s.
 
-Stratified: every class keeps its share in both parts (``round(val_fraction * n_c)`` of its ``n_c``
-records go to validation), so a small validation set still sees every class in proportion.
+Stratified: every class keeps its share in both parts (``val_fraction * n_c`` of its ``n_c`` records,
+rounded half up, go to validation), so a small validation set still sees every class in proportion.
 Deterministic: the records chosen depend only on ``seed`` and the labels, never on the machine or the
 rank, so every rank of a DDP job computes the same split without talking to the others. Both parts list
 their records in file order: ``make_loader`` shuffles them in quasi-random blocks of the files, and a
