@@ -228,3 +228,11 @@ def test_bad_saved_start_is_refused(tmp_path):
     with pytest.raises(ValueError, match="saved start 6 is outside the 5 samples of each of the 2 saved ranks"):
         sampler.load_state_dict(state)
     assert np.array_equal(np.sort(sampler.rank_order()), np.arange(10)), "the sampler is unchanged"
+
+
+def test_evaluation_refuses_options_that_would_drop_samples(tmp_path):
+    path = pack_images(tmp_path / "packed", make_images(5, [(4, 4)]), [0] * 5,
+                       storage="lmdb", encoding="raw", records_per_shard=5).path
+    for options in ({"drop_last": True}, {"pad": False}):
+        with pytest.raises(ValueError, match="evaluation=True.*needs drop_last=False and pad=True"):
+            make_loader(PackedDataset(path), 2, num_workers=0, evaluation=True, **options)
