@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from reader.loader import make_loader
     from reader.prefetcher import CUDAPrefetcher
     from reader.sampler import ShardSampler
+    from reader.splits import split
     from reader.step_timer import StepTimer
 
 _HOMES = {
@@ -25,6 +26,7 @@ _HOMES = {
     "ShardSampler": "reader.sampler",
     "StepTimer": "reader.step_timer",
     "make_loader": "reader.loader",
+    "split": "reader.splits",
 }
 __all__ = sorted(_HOMES)
 

@@ -1,10 +1,12 @@
-"""``BatchStream``: a ``ShardSampler``'s batches, epoch after epoch, as one endless batch sampler.
+"""``BatchStream``: a ``ShardSampler``'s batches, as a batch sampler and, for the loader, endlessly.
 
-Why: a DataLoader's workers only prefetch what its batch sampler has already produced. With a batch
-sampler that stops at the end of each epoch, the first batches of the next epoch are only requested
-when the next ``for`` loop starts, so every epoch begins with a full batch decode on the critical
-path. A stream that runs on into the next epoch lets the workers prepare it while the current one
-is still being consumed; ``PackedLoader`` cuts the stream back into epochs of ``len(loader)`` batches.
+Why endless: a DataLoader's workers only prefetch what its batch sampler has already produced. With a
+batch sampler that stops at the end of each epoch, the first batches of the next epoch are only
+requested when the next ``for`` loop starts, so every epoch begins with a full batch decode on the
+critical path. A stream that runs on into the next epoch (``endless()``) lets the workers prepare it
+while the current one is still being consumed; ``PackedLoader`` feeds that to its workers and cuts it
+back into epochs of ``len(loader)`` batches. Iterating the ``BatchStream`` itself (what a framework
+that walks ``loader.batch_sampler`` sees) yields one pass and ends, like torch's ``BatchSampler``.
 
 Each pass is identified by ``(epoch, start)``: batches of ``rank_order(epoch)[start:]``, cut every
 ``batch_size`` samples, the last short batch dropped with ``drop_last``, exactly as
@@ -31,12 +33,17 @@ from reader.sampler import ShardSampler
 
 
 class BatchStream(Sampler[list[int]]):
-    """Endless batches of ``sampler``'s passes, starting at its current ``(epoch, start)``.
+    """Batches of ``sampler``'s passes, starting at its current ``(epoch, start)``.
 
-    ``len()`` is the number of batches in the sampler's current pass (what one epoch of the loader
-    yields). The stream ends only if a pass has no batch at all, since every later pass would be
-    empty too. ``advise`` (called with a batch's indices as a numpy array) sees every batch
+    ``iter()`` yields the current pass; ``endless()`` runs on pass after pass, and ends only if a pass
+    has no batch at all, since every later pass would be empty too. ``len()`` is the number of batches
+    in the sampler's current pass (what one epoch of the loader yields). ``advise`` (called with a
+    batch's indices as a numpy array) sees every batch of ``endless()``
     ``ceil(lookahead / batch_size)`` batches before it is yielded (see the module docstring).
+
+    ``sampler`` must be a ``ShardSampler``: a framework that rebuilds the loader around its own
+    sampler (Lightning's ``use_distributed_sampler=True``) gets a ``TypeError`` that says what to turn
+    off, since ``make_loader`` already gives each rank its share.
     """
 
     def __init__(
@@ -48,6 +55,12 @@ class BatchStream(Sampler[list[int]]):
         advise: Callable[[np.ndarray], None] | None = None,
         lookahead: int = 0,
     ) -> None:
+        if not isinstance(sampler, ShardSampler):
+            raise TypeError(
+                f"make_loader's batch sampler needs its ShardSampler, got {type(sampler).__name__}: something "
+                "(Lightning's Trainer with use_distributed_sampler=True) is rebuilding the loader around another "
+                "sampler. make_loader already splits every epoch between the ranks (seeded, resumable): keep it "
+                "as is with Trainer(use_distributed_sampler=False)")
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if lookahead < 0:
@@ -71,6 +84,12 @@ class BatchStream(Sampler[list[int]]):
         return (epoch + 1, 0) if self.epoch_step else (epoch, start)
 
     def __iter__(self) -> Iterator[list[int]]:
+        """The batches of the sampler's current pass, then the end."""
+        for batch in self._pass(self.sampler.epoch, self.sampler.start):
+            yield batch.tolist()
+
+    def endless(self) -> Iterator[list[int]]:
+        """Pass after pass from the sampler's current one, each batch advised ahead (module docstring)."""
         batches = self._batches()
         if not self.lookahead_batches:
             for batch in batches:
@@ -89,10 +108,13 @@ class BatchStream(Sampler[list[int]]):
         """The stream's batches as index arrays, pass after pass."""
         epoch, start = self.sampler.epoch, self.sampler.start
         while True:
-            order = self.sampler.rank_order(epoch)[start:]
-            count = self.batches_in(len(order))
-            if count == 0:
+            batches = self._pass(epoch, start)
+            if not batches:
                 return
-            for i in range(count):
-                yield order[i * self.batch_size:(i + 1) * self.batch_size]
+            yield from batches
             epoch, start = self.following(epoch, start)
+
+    def _pass(self, epoch: int, start: int) -> list[np.ndarray]:
+        """The batches of the pass ``(epoch, start)``, cut as ``BatchSampler`` cuts them."""
+        order = self.sampler.rank_order(epoch)[start:]
+        return [order[i * self.batch_size:(i + 1) * self.batch_size] for i in range(self.batches_in(len(order)))]

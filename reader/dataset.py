@@ -6,9 +6,12 @@ the parent's memory by touching refcounts (pytorch #13246). No file stays open a
 each process opens the shard files on first read, so the dataset is safe to use under ``fork``,
 ``spawn`` and ``forkserver``, and pickles as its path plus those arrays.
 
-The hot path is ``__getitems__``, which the DataLoader calls with a whole batch of indices: records
+The hot path is ``read_batch``, which ``make_loader`` calls with a whole batch of indices: records
 are grouped by shard and read in coalesced runs straight into the batch tensor (raw pixels) or into a
-reused scratch buffer and then decoded straight into the batch tensor (JPEG). On a cold cache, whole
+reused scratch buffer and then decoded straight into the batch tensor (JPEG). ``__getitems__`` follows
+torch's convention instead (a list of ``(image, label)`` samples for any ``collate_fn``), so a plain
+``DataLoader``, ``Subset`` or a user's wrapper sees an ordinary map-style dataset, with the same
+coalesced reads. On a cold cache, whole
 blocks of the files around the requested records are read ahead (``reader.shard_io``), cut exactly
 like ``ShardSampler``'s quasi-random blocks, so a slow disk sees long sequential reads; ``advise``
 lets the loader's main process start reading the blocks of batches still ahead.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import operator
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +45,7 @@ from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
 
 
 Images = torch.Tensor | list[torch.Tensor]
+Allocator = Callable[[tuple[int, ...]], torch.Tensor]
 
 
 class PackedDataset(Dataset):
@@ -131,22 +135,40 @@ class PackedDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         """One record: a contiguous ``uint8 [3, H, W]`` tensor and its label."""
-        images, labels = self.__getitems__([operator.index(index)])
-        return images[0].contiguous(), int(labels[0])
+        return self.__getitems__([operator.index(index)])[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> tuple[Images, torch.Tensor]:
-        """A whole batch, in the requested order: ``(uint8 [B, 3, H, W], int64 [B])``.
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int]]:
+        """Samples ``[(uint8 [3, H, W] contiguous, int label), ...]`` in the requested order.
+
+        torch's convention for ``__getitems__``: what a plain ``DataLoader`` (or ``Subset``) hands to
+        its ``collate_fn``, so the default collate stacks them. The records are read in one go, with
+        the coalesced reads of ``read_batch``, into ordinary process memory, never a ``make_loader``
+        batch slot (whose memory goes back to a pool).
+        """
+        idx = self._checked_indices(indices)
+        images = self._read(idx, _private_batch)
+        if isinstance(images, torch.Tensor) and images.is_contiguous():
+            images = images.unbind(0)
+        else:
+            images = [image.contiguous() for image in images]
+        return list(zip(images, self.targets[idx].tolist()))
+
+    def read_batch(self, indices: Sequence[int]) -> tuple[Images, torch.Tensor]:
+        """A whole batch, in the requested order: ``(uint8 [B, 3, H, W], int64 [B])``, zero-copy.
 
         When the records' sizes vary (manifest ``shape`` is null) the images are a list of
         ``[3, H, W]`` tensors instead. JPEG batches are decoded channels-last: the tensor has shape
-        ``[B, 3, H, W]`` with ``channels_last`` strides, which models and ``.to()`` accept as is. This
-        is a batch, not a list of samples: use it with an identity ``collate_fn`` (``make_loader``).
+        ``[B, 3, H, W]`` with ``channels_last`` strides, which models and ``.to()`` accept as is. The
+        batch lives in a reused buffer (``reader.batch_memory``): this is ``make_loader``'s hot path
+        (it passes the batch through an identity collate), not a list of samples.
         """
         idx = self._checked_indices(indices)
-        labels = torch.from_numpy(self.targets[idx])
+        return self._read(idx, new_batch), torch.from_numpy(self.targets[idx])
+
+    def _read(self, idx: np.ndarray, allocate: Allocator) -> Images:
         if self.manifest.encoding == "raw":
-            return self._read_raw(idx), labels
-        return self._read_jpeg(idx), labels
+            return self._read_raw(idx, allocate)
+        return self._read_jpeg(idx, allocate)
 
     def advise(self, indices: Sequence[int]) -> None:
         """Start reading, in the background, the whole read-ahead blocks that hold these records.
@@ -181,18 +203,18 @@ class PackedDataset(Dataset):
             raise IndexError(f"{self.path}: index {idx[bad][0]} is out of range for {n} records")
         return np.where(idx < 0, idx + n, idx)
 
-    def _read_raw(self, idx: np.ndarray) -> Images:
+    def _read_raw(self, idx: np.ndarray, allocate: Allocator) -> Images:
         nbytes = self._nbytes[idx]
         if self.manifest.shape is not None:
-            batch = new_batch((len(idx), *self.manifest.shape))
+            batch = allocate((len(idx), *self.manifest.shape))
             self._read_payloads(idx, _split(batch, nbytes))
             return batch
-        flat = new_batch((int(nbytes.sum()),))
+        flat = allocate((int(nbytes.sum()),))
         self._read_payloads(idx, _split(flat, nbytes))
         return [part.view(3, h, w) for part, h, w in
                 zip(flat.split(nbytes.tolist()), self._heights[idx].tolist(), self._widths[idx].tolist())]
 
-    def _read_jpeg(self, idx: np.ndarray) -> Images:
+    def _read_jpeg(self, idx: np.ndarray, allocate: Allocator) -> Images:
         nbytes = self._nbytes[idx]
         total = int(nbytes.sum())
         if len(self._scratch) < total:
@@ -203,13 +225,13 @@ class PackedDataset(Dataset):
         heights, widths = self._heights[idx].tolist(), self._widths[idx].tolist()
         if self.manifest.shape is not None:
             _, h, w = self.manifest.shape
-            batch = new_batch((len(idx), h, w, 3))
+            batch = allocate((len(idx), h, w, 3))
             rows = batch.numpy()
             self.decode_threads.run(lambda k: self._decode(idx[k], payloads[k], rows[k]), len(idx))
             return batch.permute(0, 3, 1, 2)
         sizes = [3 * h * w for h, w in zip(heights, widths)]
         pixels = [part.view(h, w, 3) for part, h, w in
-                  zip(new_batch((sum(sizes),)).split(sizes), heights, widths)]
+                  zip(allocate((sum(sizes),)).split(sizes), heights, widths)]
         self.decode_threads.run(lambda k: self._decode(idx[k], payloads[k], pixels[k].numpy()), len(idx))
         return [image.permute(2, 0, 1) for image in pixels]
 
@@ -248,6 +270,11 @@ def _check_manifest(manifest: Manifest, path: Path) -> None:
         raise FormatError(f"{origin}: unknown encoding {manifest.encoding!r}")
     if manifest.shape is not None and (len(manifest.shape) != 3 or manifest.shape[0] != 3):
         raise FormatError(f"{origin}: shape {manifest.shape} is not [3, H, W]")
+
+
+def _private_batch(shape: tuple[int, ...]) -> torch.Tensor:
+    """Fresh process-private memory: for samples that leave through someone else's collate."""
+    return torch.empty(shape, dtype=torch.uint8)
 
 
 def _split(tensor: torch.Tensor, nbytes: np.ndarray) -> list[memoryview]:

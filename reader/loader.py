@@ -1,7 +1,8 @@
 """``make_loader``: a DataLoader over a ``PackedDataset`` that moves whole batches, and can resume.
 
-The DataLoader hands each worker a list of indices; the worker calls ``PackedDataset.__getitems__``
-(which reads the batch in a few coalesced reads) and the collate function passes the batch through.
+The DataLoader hands each worker a list of indices; the worker calls ``PackedDataset.read_batch``
+(which reads the batch in a few coalesced reads, through ``reader.packed_view`` for a ``Subset`` or a
+``ConcatDataset``) and the collate function passes the batch through.
 Workers are persistent, so shard descriptors and batch buffers stay warm from one epoch to the next,
 and their prefetch runs on into the next epoch (``reader.batch_stream``), so an epoch does not start
 with a stall.
@@ -16,14 +17,15 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, received_labels
 from reader.batch_stream import BatchStream
-from reader.dataset import PackedDataset
-from reader.blocks import DEFAULT_BLOCK_BYTES, block_size, block_starts
+from reader.blocks import DEFAULT_BLOCK_BYTES
+from reader.packed_view import PackedView, as_view
 from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
 
 MAX_DEFAULT_WORKERS = 8
@@ -40,7 +42,7 @@ def default_num_workers() -> int:
     return max(1, min(MAX_DEFAULT_WORKERS, cores // max(ranks_here, 1)))
 
 
-Batch = tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]
+Batch = tuple  # (images: uint8 [B,3,H,W] or B x [3,H,W], labels: int64 [B], *extras with first dim B)
 
 
 class PackedLoader(DataLoader):
@@ -60,11 +62,17 @@ class PackedLoader(DataLoader):
     ``set_epoch`` was not called). When a loop starts anywhere else (after a ``break`` or an
     unfinished loop, an unexpected ``set_epoch``, ``load_state_dict``), the
     worker iterator is reset, which drops the batches prepared in advance: a lost head start, never
-    a wrong batch. After the last epoch the workers have decoded a few batches nobody reads.
+    a wrong batch. After the last epoch the workers have decoded a few batches nobody reads. The
+    workers get that endless stream (``BatchStream.endless``) while ``batch_sampler`` itself, walked
+    directly, yields one epoch.
+
+    ``evaluation``: each batch also carries the int64 dataset index of every sample and a bool mask,
+    False for the padding samples that make the ranks' shares equal (see ``make_loader``).
     """
 
-    def __init__(self, *args, pin_batches: bool = False, **kwargs) -> None:
+    def __init__(self, *args, pin_batches: bool = False, evaluation: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.evaluation = evaluation
         self._pin_batches = pin_batches
         self._releaser = SlotReleaser()
         self._yielded = 0
@@ -75,6 +83,17 @@ class PackedLoader(DataLoader):
     @property
     def shard_sampler(self) -> ShardSampler:
         return self.batch_sampler.sampler
+
+    @property
+    def source(self) -> Dataset:
+        """The dataset given to ``make_loader`` (``dataset`` is the ``PackedView`` the workers read)."""
+        return self.dataset.source
+
+    @property
+    def _index_sampler(self) -> "_EndlessBatches":
+        # DataLoader's private hook for what its iterators draw index batches from: the endless stream,
+        # so that workers prefetch across epochs (the class docstring).
+        return _EndlessBatches(self.batch_sampler)
 
     def set_epoch(self, epoch: int) -> None:
         self.shard_sampler.set_epoch(epoch)
@@ -103,14 +122,18 @@ class PackedLoader(DataLoader):
             return
         batches = self._stream_at(epoch, start)
         self._stream_next = None
+        share = self.shard_sampler.rank_share(epoch) if self.evaluation else None
         for _ in range(count):
-            images, labels = next(batches)
-            labels = received_labels(labels)
+            batch = next(batches)
+            batch = (batch[0], received_labels(batch[1]), *batch[2:])
+            if share is not None:
+                taken = slice(start + self._yielded, start + self._yielded + len(batch[1]))
+                batch = (*batch, torch.from_numpy(share[0][taken]), torch.from_numpy(share[1][taken]))
             if self._pin_batches:
-                images, labels = _pinned(images), labels.pin_memory()
+                batch = (_pinned(batch[0]), *(tensor.pin_memory() for tensor in batch[1:]))
             self._releaser.release_unused()
-            self._yielded += len(labels)
-            yield images, labels
+            self._yielded += len(batch[1])
+            yield batch
         self._stream_next = self.batch_sampler.following(epoch, start)
         self._last_complete_epoch = epoch
 
@@ -127,6 +150,19 @@ class PackedLoader(DataLoader):
             return super()._get_iterator()
         self.check_worker_number_rationality()
         return _ReleasingIterator(self, self._releaser)
+
+
+class _EndlessBatches:
+    """What the DataLoader's iterators draw from: ``stream.endless()``, with the current pass's length."""
+
+    def __init__(self, stream: BatchStream) -> None:
+        self.stream = stream
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.stream.endless()
+
+    def __len__(self) -> int:
+        return len(self.stream)
 
 
 class _ReleasingIterator(_MultiProcessingDataLoaderIter):
@@ -153,16 +189,17 @@ def _pinned(images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[to
 
 
 def make_loader(
-    dataset: PackedDataset,
+    dataset: Dataset,
     batch_size: int,
     *,
     num_workers: int | None = None,
-    order: str = "quasi_random",
+    order: str | None = None,
     seed: int = 0,
     drop_last: bool = False,
     rank: int | None = None,
     world_size: int | None = None,
     pad: bool = True,
+    evaluation: bool = False,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     buffer_blocks: int = DEFAULT_BUFFER_BLOCKS,
     prefetch_factor: int | None = None,
@@ -171,23 +208,41 @@ def make_loader(
 ) -> PackedLoader:
     """A loader yielding ``(uint8 [B, 3, H, W], int64 [B])`` batches of ``dataset``.
 
-    Order, seed, rank, world_size, pad, block_bytes and buffer_blocks go to ``ShardSampler``.
-    ``num_workers`` defaults to ``default_num_workers()`` (0 reads in the calling process);
-    ``prefetch_factor`` (batches in flight per worker) to 2; ``pin_memory`` (batches copied to pinned
-    memory before they are yielded) to whether CUDA is available. ``multiprocessing_context``
-    ("fork", "spawn", "forkserver") is passed to the DataLoader.
+    ``dataset``: a ``PackedDataset``, a ``Subset`` of one (e.g. from ``reader.split``) or a
+    ``ConcatDataset`` of them, nested in any way; the quasi-random order then shuffles the blocks of
+    the underlying files, so a subset or a mix reads as sequentially as a whole dataset. Batches that
+    mix datasets of a ``ConcatDataset`` are gathered with one copy. Anything else raises ``TypeError``
+    (use a plain ``DataLoader`` for it: ``PackedDataset`` follows torch's conventions there).
+
+    Order (default ``"quasi_random"``, ``"sequential"`` with ``evaluation``), seed, rank, world_size,
+    pad, block_bytes and buffer_blocks go to ``ShardSampler``. ``seed`` is the run's seed, the same on
+    every rank (checked when torch.distributed is initialised). ``num_workers`` defaults to
+    ``default_num_workers()`` (0 reads in the calling process); ``prefetch_factor`` (batches in flight
+    per worker) to 2; ``pin_memory`` (batches copied to pinned memory before they are yielded) to
+    whether CUDA is available. ``multiprocessing_context`` ("fork", "spawn", "forkserver") is passed to
+    the DataLoader.
+
+    ``evaluation=True``: batches are ``(images, labels, indices, valid)``. Every rank gets a disjoint
+    contiguous share of the dataset, padded to the same number of samples (so the same number of
+    batches: no DDP hang); ``indices`` (int64) are the samples' positions in ``dataset`` and ``valid``
+    (bool) is False for the padding, so that sums of ``metric * valid`` over all ranks count every
+    sample exactly once (README, "Evaluation with DDP").
 
     With workers and a dataset that reads ahead (``readahead_bytes`` > 0), the main process advises
-    each batch's blocks ``lookahead_samples(...)`` samples before the workers get it; a wrapper
-    without ``advise`` and ``readahead_bytes`` is read without that advice.
+    each batch's blocks ``lookahead_samples(...)`` samples before the workers get it.
     """
-    sampler = ShardSampler(dataset, order=order, seed=seed, rank=rank, world_size=world_size,
+    if evaluation and (drop_last or not pad):
+        raise ValueError("make_loader(evaluation=True) covers every sample exactly once: it needs "
+                         "drop_last=False and pad=True")
+    view = PackedView(dataset)
+    order = order or ("sequential" if evaluation else "quasi_random")
+    sampler = ShardSampler(view, order=order, seed=seed, rank=rank, world_size=world_size,
                            pad=pad, block_bytes=block_bytes, buffer_blocks=buffer_blocks)
     workers = default_num_workers() if num_workers is None else num_workers
-    advise = dataset.advise if workers > 0 and getattr(dataset, "readahead_bytes", 0) else None
-    lookahead = lookahead_samples(dataset, block_bytes, buffer_blocks) if advise else 0
+    advise = view.advise if workers > 0 and view.readahead_bytes else None
+    lookahead = lookahead_samples(view, block_bytes, buffer_blocks) if advise else 0
     return PackedLoader(
-        dataset,
+        view,
         batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead),
         collate_fn=hand_over,
         worker_init_fn=enable_handoff,
@@ -195,13 +250,14 @@ def make_loader(
         persistent_workers=workers > 0,
         prefetch_factor=(2 if prefetch_factor is None else prefetch_factor) if workers > 0 else None,
         pin_batches=torch.cuda.is_available() if pin_memory is None else pin_memory,
+        evaluation=evaluation,
         multiprocessing_context=multiprocessing_context,
     )
 
 
-def lookahead_samples(dataset: PackedDataset, block_bytes: int, buffer_blocks: int) -> int:
+def lookahead_samples(dataset: Dataset, block_bytes: int, buffer_blocks: int) -> int:
     """``LOOKAHEAD_WINDOWS`` windows of ``buffer_blocks`` quasi-random blocks, in samples (the blocks
     cut as ``ShardSampler`` cuts them for ``block_bytes``)."""
-    shards = dataset.manifest.shards
-    blocks = max(len(block_starts(shards, block_size(shards, block_bytes))), 1)
-    return round(LOOKAHEAD_WINDOWS * buffer_blocks * len(dataset) / blocks)
+    view = as_view(dataset)
+    blocks = max(len(np.unique(view.block_ids(block_bytes))), 1)
+    return round(LOOKAHEAD_WINDOWS * buffer_blocks * len(view) / blocks)

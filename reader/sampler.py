@@ -18,22 +18,37 @@ dropping its tail (``pad=False``: a few records are skipped this epoch). Rank ``
 ``r``-th contiguous slice of it, so every rank yields the same number of samples (no DDP hang at epoch
 end), the ranks' slices are disjoint apart from the wrapped duplicates, and their union is the whole
 dataset when padding. Contiguous slices (not strides) keep each rank's reads sequential.
+``rank_share`` says which samples are such wrapped duplicates (``valid`` False), so that evaluation
+counts every record exactly once (``make_loader(evaluation=True)`` yields that mask).
+
+One seed per run: the order is one order for all ranks, split between them, so every rank must use the
+same seed (and see the same dataset). When torch.distributed is initialised the ranks check this
+with one collective at construction (``all_gather_object``: every rank must build its sampler, and
+under NCCL each rank's CUDA device must be set first, as DDP needs anyway), and all raise
+``ValueError`` when they disagree: a per-rank seed (``seed=rank``) would give overlapping shares, some
+records seen twice and others never.
 
 Resume: ``start`` skips the first ``start`` samples of this rank's epoch order. It is part of
-``state_dict()`` and stays in force until ``set_epoch`` moves to another epoch.
+``state_dict()`` and stays in force until ``set_epoch`` moves to another epoch. The state records the
+``world_size``; ranks run in lockstep (equal batches), so after ``start`` samples on each of ``w``
+ranks the epoch's unseen samples are the tails of the ``w`` slices. Loaded with another world size,
+the sampler continues the same epoch with exactly those: their concatenation, in order, is split
+again between the new ranks (``history`` holds each such change). Nothing is lost or repeated (apart
+from wrapped duplicates when the rest does not divide evenly, flagged in ``rank_share``), and the next
+epochs are the new world size's ordinary epochs. Continuing was chosen over refusing because jobs are
+often resumed on whatever number of GPUs is free, and an epoch of a large dataset is too long to throw
+away.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
-from reader.blocks import DEFAULT_BLOCK_BYTES, block_size, block_starts
-
-if TYPE_CHECKING:
-    from reader.dataset import PackedDataset
+from reader.blocks import DEFAULT_BLOCK_BYTES
+from reader.packed_view import as_view
 
 ORDERS = ("sequential", "random", "quasi_random")
 DEFAULT_BUFFER_BLOCKS = 16
@@ -42,14 +57,16 @@ DEFAULT_BUFFER_BLOCKS = 16
 class ShardSampler(Sampler[int]):
     """Record indices of one rank's share of a packed dataset's epoch (see the module docstring).
 
-    ``dataset`` needs ``len()`` and a ``manifest`` (a ``PackedDataset``): shard sizes in records and
-    bytes set the quasi-random blocks. ``rank`` and ``world_size`` default to torch.distributed's
-    when it is initialised, else to 0 and 1.
+    ``dataset`` is a ``PackedDataset`` (or anything with ``len()`` and its ``manifest``), a ``Subset``
+    or a ``ConcatDataset`` of them (``reader.packed_view``): the quasi-random blocks are those of the
+    underlying files, so a subset or a concatenation keeps the slow-disk order. The indices are
+    positions in ``dataset``. ``rank`` and ``world_size`` default to torch.distributed's when it is
+    initialised, else to 0 and 1.
     """
 
     def __init__(
         self,
-        dataset: PackedDataset,
+        dataset: Dataset,
         order: str = "quasi_random",
         seed: int = 0,
         rank: int | None = None,
@@ -61,15 +78,17 @@ class ShardSampler(Sampler[int]):
     ) -> None:
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}: expected one of {', '.join(ORDERS)}")
+        distributed = dist.is_available() and dist.is_initialized()
         if world_size is None:
-            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            world_size = dist.get_world_size() if distributed else 1
         if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = dist.get_rank() if distributed else 0
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in range for world_size {world_size}")
         if block_bytes < 1 or buffer_blocks < 1:
             raise ValueError("block_bytes and buffer_blocks must be positive")
-        self.num_records = len(dataset)
+        view = as_view(dataset)
+        self.num_records = len(view)
         self.order = order
         self.seed = seed
         self.rank = rank
@@ -78,33 +97,47 @@ class ShardSampler(Sampler[int]):
         self.buffer_blocks = buffer_blocks
         self.epoch = 0
         self.start = 0
-        shards = dataset.manifest.shards
-        self._block_starts = block_starts(shards, block_size(shards, block_bytes))
-        if pad:
-            self.samples_per_rank = -(-self.num_records // world_size)
-        else:
-            self.samples_per_rank = self.num_records // world_size
+        self.history: list[tuple[int, int]] = []
+        _, self._block_ids = np.unique(view.block_ids(block_bytes), return_inverse=True)
+        if distributed and world_size > 1 and world_size == dist.get_world_size():
+            _check_same_on_every_rank({"seed": seed, "order": order, "number of records": self.num_records})
+
+    @property
+    def samples_per_rank(self) -> int:
+        """How many samples each rank gets in the current pass (``start`` not applied)."""
+        return self._fitted(self._remaining(self.history), self.world_size) // self.world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order to yield; moving to another epoch clears ``start``."""
         if epoch != self.epoch:
             self.start = 0
+            self.history = []
         self.epoch = epoch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "seed": self.seed, "order": self.order, "start": self.start}
+        return {"epoch": self.epoch, "seed": self.seed, "order": self.order, "start": self.start,
+                "world_size": self.world_size, "history": [list(step) for step in self.history]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a ``state_dict()``: the next iteration yields what the saved run would have next."""
+        """Restore a ``state_dict()``: the next iteration yields what the saved run would have next.
+
+        A state saved with another world size continues the same epoch: the samples the saved ranks
+        had not reached yet are split between this run's ranks (module docstring). A state without
+        ``world_size`` (saved before it was recorded) is taken as this run's world size.
+        """
         if state["order"] != self.order:
             raise ValueError(f"saved state is for order {state['order']!r}, this sampler uses "
                              f"{self.order!r}")
-        if not 0 <= state["start"] <= self.samples_per_rank:
-            raise ValueError(f"saved start {state['start']} is outside this rank's "
-                             f"{self.samples_per_rank} samples")
-        self.epoch = state["epoch"]
-        self.seed = state["seed"]
-        self.start = state["start"]
+        history = [(int(world), int(start)) for world, start in state.get("history", [])]
+        saved_world = int(state.get("world_size", self.world_size))
+        start = int(state["start"])
+        if saved_world != self.world_size:
+            history, start = [*history, (saved_world, start)], 0
+        remaining = self._remaining(history)
+        per_rank = self._fitted(remaining, self.world_size) // self.world_size
+        if not 0 <= start <= per_rank:
+            raise ValueError(f"saved start {start} is outside this rank's {per_rank} samples")
+        self.epoch, self.seed, self.history, self.start = state["epoch"], state["seed"], history, start
 
     def __len__(self) -> int:
         return self.samples_per_rank - self.start
@@ -114,12 +147,25 @@ class ShardSampler(Sampler[int]):
 
     def rank_order(self, epoch: int | None = None) -> np.ndarray:
         """This rank's whole share of ``epoch`` (default: the current one), ``start`` not applied."""
-        order = self.epoch_order(epoch)
-        total = self.samples_per_rank * self.world_size
-        if total > len(order):
-            order = np.resize(order, total)
-        first = self.rank * self.samples_per_rank
-        return order[first:first + self.samples_per_rank]
+        return self.rank_share(epoch)[0]
+
+    def rank_share(self, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(indices, valid)``: this rank's share of ``epoch`` (default: the current one, continuing
+        its ``history`` of world-size changes), ``start`` not applied; ``valid`` is False for the
+        wrapped duplicates that only pad the share to equal length."""
+        current = self.epoch if epoch is None else epoch
+        order = self.epoch_order(current)
+        valid = np.ones(len(order), dtype=bool)
+        if current == self.epoch:
+            for world, start in self.history:
+                order, valid = self._fit(order, valid, world)
+                per = len(order) // world
+                rest = (np.arange(world)[:, None] * per + np.arange(start, per)[None, :]).reshape(-1)
+                order, valid = order[rest], valid[rest]
+        order, valid = self._fit(order, valid, self.world_size)
+        per = len(order) // self.world_size
+        first = self.rank * per
+        return order[first:first + per], valid[first:first + per]
 
     def epoch_order(self, epoch: int | None = None) -> np.ndarray:
         """Every record once, in ``epoch``'s order (default: the current epoch), before the split
@@ -130,19 +176,55 @@ class ShardSampler(Sampler[int]):
         rng = np.random.default_rng((self.seed, self.epoch if epoch is None else epoch))
         if self.order == "random":
             return rng.permutation(self.num_records).astype(np.int64)
-        return _quasi_random(self._block_starts, self.num_records, self.buffer_blocks, rng)
+        return _quasi_random(self._block_ids, self.buffer_blocks, rng)
+
+    def _remaining(self, history: list[tuple[int, int]]) -> int:
+        """How many samples of the epoch are left after ``history``'s passes (padding included)."""
+        remaining = self.num_records
+        for world, start in history:
+            per_rank = self._fitted(remaining, world) // world
+            if not 0 <= start <= per_rank:
+                raise ValueError(f"saved start {start} is outside the {per_rank} samples of each of "
+                                 f"the {world} saved ranks")
+            remaining = world * (per_rank - start)
+        return remaining
+
+    def _fitted(self, length: int, world: int) -> int:
+        """``length`` padded (or cut, without ``pad``) to a multiple of ``world``."""
+        return -(-length // world) * world if self.pad else length // world * world
+
+    def _fit(self, order: np.ndarray, valid: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
+        total = self._fitted(len(order), world)
+        if total <= len(order):
+            return order[:total], valid[:total]
+        wrapped = np.resize(np.arange(len(order)), total)
+        return order[wrapped], valid[wrapped] & (np.arange(total) < len(order))
 
 
-def _quasi_random(block_starts: np.ndarray, num_records: int, buffer_blocks: int,
-                  rng: np.random.Generator) -> np.ndarray:
-    """Shuffle the blocks, then shuffle records within windows of ``buffer_blocks`` blocks."""
-    if num_records == 0:
+def _check_same_on_every_rank(values: dict) -> None:
+    """Raise ``ValueError`` on every rank when the ranks passed different ``values`` (one collective)."""
+    gathered: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    for name in values:
+        seen = [entry[name] for entry in gathered]
+        if len(set(seen)) > 1:
+            each = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(seen))
+            raise ValueError(
+                f"ShardSampler: the ranks disagree on the {name} ({each}); it must be the same on every "
+                "rank: the sampler splits one order between the ranks itself, so pass the run's seed "
+                "(e.g. make_loader(seed=args.seed)), not a per-rank one")
+
+
+def _quasi_random(block_ids: np.ndarray, buffer_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Shuffle the blocks (``block_ids``: each record's block, numbered 0..k-1), then shuffle records
+    within windows of ``buffer_blocks`` blocks."""
+    if len(block_ids) == 0:
         return np.zeros(0, np.int64)
-    lengths = np.diff(np.append(block_starts, num_records))
-    perm = rng.permutation(len(block_starts))
-    starts, lengths = block_starts[perm], lengths[perm]
-    first_position = np.cumsum(lengths) - lengths
-    records = np.repeat(starts - first_position, lengths) + np.arange(num_records)
-    window = np.repeat(np.arange(len(perm)) // buffer_blocks, lengths)
-    within = rng.random(num_records)
-    return records[np.lexsort((within, window))]
+    perm = rng.permutation(int(block_ids.max()) + 1)
+    block_rank = np.empty_like(perm)
+    block_rank[perm] = np.arange(len(perm))
+    key = block_rank[block_ids]
+    records = np.argsort(key, kind="stable")
+    window = key[records] // buffer_blocks
+    within = rng.random(len(records))
+    return records[np.lexsort((within, window))].astype(np.int64)

@@ -138,8 +138,7 @@ def export_npy(data: Path) -> None:
     dataset = PackedDataset(data / "raw-lmdb")
     images = np.lib.format.open_memmap(data / "images.npy", "w+", np.uint8, (len(dataset), 224, 224, 3))
     for start in range(0, len(dataset), BATCH):
-        read = getattr(dataset, "read_batch", dataset.__getitems__)
-        batch, _ = read(list(range(start, min(start + BATCH, len(dataset)))))[:2]
+        batch, _ = dataset.read_batch(list(range(start, min(start + BATCH, len(dataset)))))
         images[start:start + len(batch)] = batch.permute(0, 2, 3, 1).numpy()
     images.flush()
     np.save(data / "labels.npy", dataset.targets.astype(np.int64))

@@ -78,7 +78,7 @@ def test_batch_in_requested_order_across_shards(packed):
     ds = PackedDataset(packed.path)
     last_of_first_shard = shard_bounds(ds)[1] - 1
     indices = [22, 3, 15, 3, 0, last_of_first_shard, last_of_first_shard + 1, 19]
-    batch, labels = ds.__getitems__(indices)
+    batch, labels = ds.read_batch(indices)
     assert batch.shape == (len(indices), 3, *SIZE) and batch.dtype == torch.uint8
     assert labels.dtype == torch.int64
     assert labels.tolist() == [packed.labels[i] for i in indices]
@@ -88,7 +88,7 @@ def test_batch_in_requested_order_across_shards(packed):
 
 
 def test_jpeg_batch_is_channels_last(tmp_path, images):
-    batch, _ = PackedDataset(pack_one_shard(tmp_path, images, "lmdb", "jpeg").path).__getitems__([0, 1])
+    batch, _ = PackedDataset(pack_one_shard(tmp_path, images, "lmdb", "jpeg").path).read_batch([0, 1])
     assert batch.is_contiguous(memory_format=torch.channels_last)
 
 
@@ -105,7 +105,7 @@ def test_each_shard_run_is_one_read(packed, monkeypatch):
     ds = PackedDataset(packed.path, readahead_bytes=0)
     bounds = shard_bounds(ds)
     indices = list(range(bounds[0] + 1, bounds[2]))[::-1]
-    batch, _ = ds.__getitems__(indices)
+    batch, _ = ds.read_batch(indices)
     assert len(calls) == 2
     for row, i in zip(batch, indices):
         assert_close(row, packed.images[i], packed.encoding)
@@ -113,7 +113,7 @@ def test_each_shard_run_is_one_read(packed, monkeypatch):
 
 def test_runs_split_at_iovec_limit(packed, monkeypatch):
     monkeypatch.setattr(reader.shard_io, "IOV_MAX", 4)
-    batch, _ = PackedDataset(packed.path).__getitems__(list(range(COUNT)))
+    batch, _ = PackedDataset(packed.path).read_batch(list(range(COUNT)))
     for row, image in zip(batch, packed.images):
         assert_close(row, image, packed.encoding)
 
@@ -127,7 +127,7 @@ def test_variable_size_records(tmp_path, storage, encoding):
     ds = PackedDataset(packed.path)
     assert ds.manifest.shape is None
     indices = [6, 1, 4, 2]
-    batch, labels = ds.__getitems__(indices)
+    batch, labels = ds.read_batch(indices)
     assert isinstance(batch, list) and labels.tolist() == [packed.labels[i] for i in indices]
     for image, i in zip(batch, indices):
         assert_close(image, packed.images[i], encoding)
@@ -139,7 +139,7 @@ def test_out_of_range_index(packed):
     with pytest.raises(IndexError):
         ds[COUNT]
     with pytest.raises(IndexError):
-        ds.__getitems__([0, -COUNT - 1])
+        ds.read_batch([0, -COUNT - 1])
     with pytest.raises(TypeError):
         ds[1.5]
 
@@ -152,7 +152,7 @@ def test_truncated_shard_names_file_and_record(tmp_path, images):
     os.truncate(packed.path / "shard-00001.h5", int(ds._offsets[15]) + 10)
     ds[10]
     with pytest.raises(FormatError, match=r"shard-00001\.h5.*record 15"):
-        ds.__getitems__([10, 15])
+        ds.read_batch([10, 15])
 
 
 def test_corrupt_jpeg_names_file_and_record(tmp_path, images):
@@ -172,7 +172,7 @@ def test_read_only_directory_stays_untouched(tmp_path, images):
         dst.chmod(0o555)
         try:
             ds = PackedDataset(dst)
-            ds.__getitems__(list(range(COUNT)))
+            ds.read_batch(list(range(COUNT)))
             ds.close()
         finally:
             dst.chmod(0o755)
@@ -207,14 +207,14 @@ def test_fast_decode_option_stays_close_to_pil(tmp_path, images):
 
 def test_batch_buffers_are_reused_only_once_dropped(packed):
     ds = PackedDataset(packed.path)
-    first, _ = ds.__getitems__([0, 1, 2])
+    first, _ = ds.read_batch([0, 1, 2])
     kept = first.clone()
-    second, _ = ds.__getitems__([3, 4, 5])
+    second, _ = ds.read_batch([3, 4, 5])
     assert second.data_ptr() != first.data_ptr()
     assert torch.equal(first, kept)
     address = second.data_ptr()
     del second
-    third, _ = ds.__getitems__([6, 7, 8])
+    third, _ = ds.read_batch([6, 7, 8])
     assert third.data_ptr() == address
     for row, i in zip(third, [6, 7, 8]):
         assert_close(row, packed.images[i], packed.encoding)
@@ -276,7 +276,7 @@ def test_cold_batch_reads_its_whole_blocks_ahead(tmp_path, page_sized_images, mo
     ds, packed = one_shard_of_blocks(tmp_path, page_sized_images, storage, encoding, records_per_block=5)
     disk = ColdDisk(monkeypatch)
     indices = [12, 6, 13]  # blocks 1 and 2 (records 5-9 and 10-14), not blocks 0, 3, 4
-    batch, labels = ds.__getitems__(indices)
+    batch, labels = ds.read_batch(indices)
     advised = disk.advised_bytes()
     assert set(block_span(ds, 5, 14)) <= advised
     assert not advised & set(block_span(ds, 0, 4))
@@ -292,7 +292,7 @@ def test_cached_batch_asks_for_nothing(tmp_path, images, monkeypatch):
     (tmp_path / "packed" / "shard-00000.lmdb").read_bytes()  # now in the page cache
     advice = []
     monkeypatch.setattr(reader.shard_io.os, "posix_fadvise", lambda *args: advice.append(args))
-    batch, _ = ds.__getitems__([12, 6, 13, 0])
+    batch, _ = ds.read_batch([12, 6, 13, 0])
     assert advice == []
     assert_close(batch[3], packed.images[0], "raw")
 
@@ -301,11 +301,11 @@ def test_scattered_batch_reads_only_its_records(tmp_path, images, monkeypatch):
     ds, packed = one_shard_of_blocks(tmp_path, images, "hdf5", "raw", records_per_block=2)
     disk = ColdDisk(monkeypatch)
     monkeypatch.setattr(reader.shard_io, "MAX_READAHEAD_BLOCKS", 2)
-    batch, _ = ds.__getitems__([0, 8, 16])
+    batch, _ = ds.read_batch([0, 8, 16])
     assert disk.advice == []
     for row, i in zip(batch, [0, 8, 16]):
         assert_close(row, packed.images[i], "raw")
-    ds.__getitems__([0, 3])
+    ds.read_batch([0, 3])
     assert disk.advised_bytes() >= set(block_span(ds, 0, 3))
 
 
@@ -314,7 +314,7 @@ def test_file_system_without_nonblocking_reads_still_reads_ahead(tmp_path, page_
     ds, packed = one_shard_of_blocks(tmp_path, page_sized_images, "lmdb", "jpeg", records_per_block=5)
     disk = ColdDisk(monkeypatch, nowait_error=OSError(95, "Operation not supported"))
     for indices in ([7], [21, 2]):
-        batch, _ = ds.__getitems__(indices)
+        batch, _ = ds.read_batch(indices)
         for row, i in zip(batch, indices):
             assert_close(row, packed.images[i], "jpeg")
     assert set(block_span(ds, 0, 9)) | set(block_span(ds, 20, 22)) <= disk.advised_bytes()
@@ -324,7 +324,7 @@ def test_readahead_off_and_bad_values(tmp_path, images, monkeypatch):
     packed = pack_one_shard(tmp_path, images, "hdf5", "jpeg")
     path = packed.path
     disk = ColdDisk(monkeypatch)
-    batch, _ = PackedDataset(path, readahead_bytes=0).__getitems__([4, 9])
+    batch, _ = PackedDataset(path, readahead_bytes=0).read_batch([4, 9])
     assert disk.advice == [] and disk.blocking_reads == 1
     assert_close(batch[1], packed.images[9], "jpeg")
     with pytest.raises(ValueError, match="readahead_bytes"):
@@ -346,7 +346,7 @@ def test_advise_asks_once_for_the_whole_blocks_of_the_records(tmp_path, page_siz
     ds.advise([14, 2])  # block 0 is new, block 2 is not
     added = disk.advised_bytes() - advised
     assert set(block_span(ds, 0, 4)) <= added and min(added) == 0 and max(added) < ds._offsets[5]
-    batch, _ = ds.__getitems__([2, 14])
+    batch, _ = ds.read_batch([2, 14])
     for row, i in zip(batch, [2, 14]):
         assert_close(row, packed.images[i], "jpeg")
 

@@ -86,9 +86,10 @@ def test_epochs_differ_and_seed_repeats(raw_path):
 
 def test_loader_reads_whole_batches(raw_path, monkeypatch):
     def no_single_items(self, index):
-        raise AssertionError("the loader must call __getitems__, not __getitem__")
+        raise AssertionError("the loader must call read_batch, not __getitem__ or __getitems__")
 
     monkeypatch.setattr(PackedDataset, "__getitem__", no_single_items)
+    monkeypatch.setattr(PackedDataset, "__getitems__", no_single_items)
     loader = make_loader(PackedDataset(raw_path), BATCH, num_workers=0)
     assert sum(len(labels) for _, labels in loader) == COUNT
 
@@ -105,7 +106,8 @@ def test_resume_mid_epoch_equals_uninterrupted(raw_path, num_workers):
     batches = iter(first)
     seen = [next(batches)[0] for _ in range(2)]
     state = first.state_dict()
-    assert state == {"epoch": 3, "seed": 7, "order": "quasi_random", "start": 2 * BATCH}
+    assert state == {"epoch": 3, "seed": 7, "order": "quasi_random", "start": 2 * BATCH, "world_size": 1,
+                     "history": []}
 
     resumed = make_loader(ds, BATCH, num_workers=num_workers, seed=0, drop_last=True)
     resumed.load_state_dict(state)

@@ -16,24 +16,20 @@ from reader_helpers import SMALL_RAW_COUNT as COUNT
 BATCH = 4
 
 
-class IndexLabelled:
-    """A ``PackedDataset`` whose labels are the record indices, so a batch says which records it
-    holds; with ``log``, every batch read appends its indices as one line to that file (the
+class IndexLabelled(PackedDataset):
+    """A ``PackedDataset`` whose batches are labelled with their record indices, so a batch says which
+    records it holds; with ``log``, every batch read appends its indices as one line to that file (the
     workers' reads become visible to the test process)."""
 
     def __init__(self, path: Path, log: Path | None = None) -> None:
-        self.packed = PackedDataset(path)
-        self.manifest = self.packed.manifest
+        super().__init__(path)
         self.log = log
 
-    def __len__(self) -> int:
-        return len(self.packed)
-
-    def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.log is not None:
             with open(self.log, "a") as f:
                 f.write(",".join(map(str, indices)) + "\n")
-        images, _ = self.packed.__getitems__(indices)
+        images, _ = super().read_batch(indices)
         return images, torch.tensor(indices, dtype=torch.int64)
 
 

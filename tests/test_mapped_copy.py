@@ -45,7 +45,7 @@ def test_warm_batch_is_copied_without_preadv(packed, monkeypatch):
     real_preadv = os.preadv
     monkeypatch.setattr(reader.shard_io.os, "preadv", lambda *a: calls.append(a) or real_preadv(*a))
     order = [11, 0, 5, 5, 3]
-    batch, labels = ds.__getitems__(order)
+    batch, labels = ds.read_batch(order)
     assert calls == []
     assert labels.tolist() == [packed.labels[i] for i in order]
     for row, i in zip(batch, order):
@@ -54,7 +54,7 @@ def test_warm_batch_is_copied_without_preadv(packed, monkeypatch):
 
 def test_shard_truncated_after_mapping_reports_the_record(packed):
     ds = PackedDataset(packed.path)
-    ds.__getitems__([0, 11])
+    ds.read_batch([0, 11])
     os.truncate(packed.path / "shard-00000.h5", int(ds._offsets[9]) + 10)
     with pytest.raises(FormatError, match=r"shard-00000\.h5: shard is truncated: record 9 "):
-        ds.__getitems__([0, 9])
+        ds.read_batch([0, 9])

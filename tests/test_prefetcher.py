@@ -194,7 +194,7 @@ def test_end_to_end_on_a_packed_dataset(tmp_path: Path) -> None:
     sources = make_images(7, [(16, 20)])
     write_dataset(tmp_path, sources, [i % 3 for i in range(7)], storage="hdf5", encoding="raw", records_per_shard=3)
     dataset = PackedDataset(tmp_path)
-    loader = [dataset.__getitems__(list(range(start, min(start + 3, 7)))) for start in range(0, 7, 3)]
+    loader = [dataset.read_batch(list(range(start, min(start + 3, 7)))) for start in range(0, 7, 3)]
     got = list(CUDAPrefetcher(loader, MEAN, STD))
     expected = normalized(torch.from_numpy(np.stack([chw(image) for image in sources])))
     torch.testing.assert_close(torch.cat([b for b, _ in got]).cpu().double(), expected, atol=1e-5, rtol=0)

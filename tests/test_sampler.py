@@ -146,7 +146,7 @@ def test_resume_skips_what_was_consumed():
     state["start"] = 20
     resumed = ShardSampler(DATASET, seed=0, rank=1, world_size=2)
     resumed.load_state_dict(state)
-    assert state == {"epoch": 4, "seed": 9, "order": "quasi_random", "start": 20}
+    assert state == {"epoch": 4, "seed": 9, "order": "quasi_random", "start": 20, "world_size": 2, "history": []}
     assert len(resumed) == len(full) - 20
     resumed.set_epoch(4)
     assert list(resumed) == full[20:]

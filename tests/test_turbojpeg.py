@@ -67,11 +67,11 @@ def test_library_calls_release_the_gil():
 def test_without_turbojpeg_threads_decode_with_simplejpeg(tmp_path, monkeypatch, photos):
     packed = pack_images(tmp_path / "packed", photos, [0, 1, 0, 1], storage="lmdb", encoding="jpeg",
                          records_per_shard=10)
-    with_library = PackedDataset(packed.path, decode_threads=2).__getitems__([0, 1, 2, 3])[0]
+    with_library = PackedDataset(packed.path, decode_threads=2).read_batch([0, 1, 2, 3])[0]
     monkeypatch.setattr(reader.turbojpeg, "available", lambda: False)
     monkeypatch.setattr(reader.turbojpeg, "decode_into", None)
     assert not reader.decode.releases_gil()
-    without = PackedDataset(packed.path, decode_threads=2).__getitems__([0, 1, 2, 3])[0]
+    without = PackedDataset(packed.path, decode_threads=2).read_batch([0, 1, 2, 3])[0]
     for a, b in zip(with_library, without):
         assert torch_equal(a, b)
 
@@ -90,8 +90,8 @@ def test_decode_threads_give_the_same_batch(tmp_path, size, monkeypatch):
     packed = pack_images(tmp_path / "packed", images, [i % 3 for i in range(19)], storage="lmdb",
                          encoding="jpeg", records_per_shard=8)
     order = [5, 0, 18, 3, 3, 11, 7, 1, 2, 4, 6, 8, 9, 10, 12, 13, 14, 15, 16, 17]
-    one, labels_one = PackedDataset(packed.path).__getitems__(order)
-    three, labels_three = PackedDataset(packed.path, decode_threads=3).__getitems__(order)
+    one, labels_one = PackedDataset(packed.path).read_batch(order)
+    three, labels_three = PackedDataset(packed.path, decode_threads=3).read_batch(order)
     assert labels_one.tolist() == labels_three.tolist()
     assert len(calls) == (len(order) if reader.turbojpeg.available() else 0)
     for a, b in zip(one, three):
@@ -107,6 +107,6 @@ def test_decode_threads_report_the_bad_record(tmp_path):
         f.seek(int(ds._offsets[5]))
         f.write(b"\0" * 64)
     with pytest.raises(FormatError, match=r"shard-00000\.h5: record 5 .*not a valid JPEG"):
-        ds.__getitems__(list(range(9)))
+        ds.read_batch(list(range(9)))
     with pytest.raises(ValueError, match="decode_threads must be 1 or more, got 0"):
         PackedDataset(packed.path, decode_threads=0)

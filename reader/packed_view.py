@@ -1,0 +1,190 @@
+"""``PackedView``: a ``PackedDataset``, a ``Subset`` of one, a ``ConcatDataset`` of them (nested in any
+way) as one sequence of packed records, so that ``make_loader`` and ``ShardSampler`` work on all three.
+
+Each position of the view is a record of one part (a ``PackedDataset``). Knowing that, the view can
+
+- read a batch of positions with the parts' coalesced reads (``read_batch``: zero-copy for a single
+  part; a batch that mixes parts of a ``ConcatDataset`` is gathered into one batch buffer);
+- tell which quasi-random block of the files each position lies in (``block_ids``), so that a subset or
+  a concatenation keeps the slow-disk order: the sampler shuffles those blocks and mixes records within
+  windows of them, exactly as it does for a whole dataset;
+- give the labels of its positions (``targets``), for a stratified split (``reader.splits``).
+
+Anything else (a user's own wrapper ``Dataset``) is refused with one line that says what works: such a
+dataset goes through a plain ``DataLoader``, since ``PackedDataset`` follows torch's conventions.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import ConcatDataset, Dataset, Subset
+
+from reader.batch_memory import new_batch
+from reader.blocks import block_size, block_starts
+from reader.dataset import Images, PackedDataset
+
+
+class PackedView(Dataset):
+    """Positions ``0..len-1`` of ``source``, each a ``(part, record)`` of a ``PackedDataset``.
+
+    ``source`` is a ``PackedDataset`` (or anything with its ``manifest``, ``len`` and ``read_batch``),
+    a ``Subset`` or a ``ConcatDataset`` of such, nested in any way; ``TypeError`` otherwise. This is the
+    dataset of ``make_loader``'s DataLoader: its ``__getitems__`` returns a whole collated batch for
+    that loader's identity collate, so it is not meant for a plain ``DataLoader`` (give that the
+    ``source`` itself).
+    """
+
+    def __init__(self, source: Dataset) -> None:
+        self.source = source
+        parts, part_of, record_of = _resolve(source)
+        self.parts: list[PackedDataset] = parts
+        self._identity = len(parts) == 1 and record_of is None
+        if record_of is None:
+            record_of = np.arange(len(parts[0]), dtype=np.int64)
+        self._part_of = part_of
+        self._record_of = record_of
+
+    def __len__(self) -> int:
+        return len(self._record_of)
+
+    @property
+    def readahead_bytes(self) -> int:
+        """The largest read-ahead block of the parts (0: no part reads ahead)."""
+        return max(getattr(part, "readahead_bytes", 0) for part in self.parts)
+
+    @property
+    def targets(self) -> np.ndarray:
+        """The label of every position (int64)."""
+        if self._identity:
+            return np.asarray(self.parts[0].targets, dtype=np.int64)
+        labels = np.zeros(len(self), np.int64)
+        for k, part in enumerate(self.parts):
+            members = self._part_of == k
+            labels[members] = np.asarray(part.targets, dtype=np.int64)[self._record_of[members]]
+        return labels
+
+    def block_ids(self, block_bytes: int) -> np.ndarray:
+        """The quasi-random block (``reader.blocks``, cut for ``block_bytes``) of every position, as
+        ids numbered across the parts in part order."""
+        ids = np.zeros(len(self), np.int64)
+        first = 0
+        for k, part in enumerate(self.parts):
+            shards = part.manifest.shards
+            starts = block_starts(shards, block_size(shards, block_bytes))
+            members = self._part_of == k
+            ids[members] = first + np.searchsorted(starts, self._record_of[members], side="right") - 1
+            first += len(starts)
+        return ids
+
+    def locate(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(part index, record)`` of each position."""
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if pos.size and (pos.min() < 0 or pos.max() >= len(self)):
+            bad = pos[(pos < 0) | (pos >= len(self))][0]
+            raise IndexError(f"position {bad} is out of range for {len(self)} records of {_name(self.source)}")
+        return self._part_of[pos], self._record_of[pos]
+
+    def __getitems__(self, positions: Sequence[int]) -> tuple[Images, torch.Tensor]:
+        return self.read_batch(positions)
+
+    def read_batch(self, positions: Sequence[int]) -> tuple[Images, torch.Tensor]:
+        """The records at ``positions`` as one batch, like ``PackedDataset.read_batch``."""
+        if self._identity:
+            return self.parts[0].read_batch(positions)
+        part_of, records = self.locate(positions)
+        used = np.unique(part_of).tolist()
+        if len(used) == 1:
+            return self.parts[used[0]].read_batch(records)
+        pieces = [(np.flatnonzero(part_of == k), *self.parts[k].read_batch(records[part_of == k])) for k in used]
+        labels = torch.empty(len(records), dtype=torch.int64)
+        for members, _, part_labels in pieces:
+            labels[members] = part_labels
+        return _gathered([(members, images) for members, images, _ in pieces], len(records)), labels
+
+    def advise(self, positions: Sequence[int]) -> None:
+        """``PackedDataset.advise`` for each part's records among ``positions``."""
+        if self._identity:
+            self.parts[0].advise(positions)
+            return
+        part_of, records = self.locate(positions)
+        for k in np.unique(part_of).tolist():
+            if getattr(self.parts[k], "readahead_bytes", 0):
+                self.parts[k].advise(records[part_of == k])
+
+    def __getitem__(self, position: int) -> tuple[torch.Tensor, int]:
+        part_of, records = self.locate([position])
+        return self.parts[int(part_of[0])][int(records[0])]
+
+
+def as_view(dataset: Dataset) -> PackedView:
+    """``dataset`` itself when it is a ``PackedView``, else a view of it."""
+    return dataset if isinstance(dataset, PackedView) else PackedView(dataset)
+
+
+def _gathered(pieces: list[tuple[np.ndarray, Images]], count: int) -> Images:
+    """One batch of ``count`` images from the parts' batches, each piece going to its ``members``,
+    copied into one new batch buffer (the parts' buffers go back to their pool at once)."""
+    tensors = [images for _, images in pieces]
+    if all(isinstance(t, torch.Tensor) for t in tensors) and len({t.shape[1:] for t in tensors}) == 1:
+        _, channels, height, width = tensors[0].shape
+        if all(t.stride(1) == 1 for t in tensors):  # all channels-last (decoded JPEG): keep that layout
+            batch = new_batch((count, height, width, channels)).permute(0, 3, 1, 2)
+        else:
+            batch = new_batch((count, channels, height, width))
+        for members, images in pieces:
+            batch[torch.from_numpy(members)] = images
+        return batch
+    ordered: list[torch.Tensor] = [torch.empty(0)] * count
+    for members, images in pieces:
+        for k, image in zip(members.tolist(), images):
+            ordered[k] = image
+    # One buffer for all (a make_loader worker hands over the slot behind the first image only).
+    flat = new_batch((sum(image.numel() for image in ordered),))
+    return [part.view(image.shape).copy_(image)
+            for part, image in zip(flat.split([image.numel() for image in ordered]), ordered)]
+
+
+def _resolve(dataset: Dataset) -> tuple[list, np.ndarray, np.ndarray | None]:
+    """``(parts, part index per position, record per position)``; records ``None`` for a whole
+    single part (the identity, kept without arrays)."""
+    if hasattr(dataset, "manifest") and not isinstance(dataset, (Subset, ConcatDataset)):
+        return [dataset], np.zeros(len(dataset), np.int64), None
+    if isinstance(dataset, Subset):
+        parts, part_of, record_of = _resolve(dataset.dataset)
+        indices = np.asarray(dataset.indices, dtype=np.int64).reshape(-1)
+        size = len(part_of)
+        if indices.size and (indices.min() < -size or indices.max() >= size):
+            bad = indices[(indices < -size) | (indices >= size)][0]
+            raise IndexError(f"Subset index {bad} is out of range for {size} records of "
+                             f"{_name(dataset.dataset)}")
+        indices = np.where(indices < 0, indices + size, indices)
+        if record_of is None:
+            record_of = np.arange(size, dtype=np.int64)
+        return parts, part_of[indices], record_of[indices]
+    if isinstance(dataset, ConcatDataset):
+        parts, part_of, record_of = [], [], []
+        for child in dataset.datasets:
+            child_parts, child_part_of, child_records = _resolve(child)
+            numbers = []
+            for part in child_parts:
+                known = [k for k, seen in enumerate(parts) if seen is part]
+                numbers.append(known[0] if known else len(parts))
+                if not known:
+                    parts.append(part)
+            part_of.append(np.asarray(numbers, np.int64)[child_part_of])
+            record_of.append(np.arange(len(child_part_of), dtype=np.int64) if child_records is None
+                             else child_records)
+        if not parts:
+            raise ValueError("make_loader: the ConcatDataset holds no dataset")
+        return parts, np.concatenate(part_of), np.concatenate(record_of)
+    raise TypeError(
+        f"make_loader reads a PackedDataset, a Subset or a ConcatDataset of them, not "
+        f"{type(dataset).__name__}; give this dataset to a plain torch DataLoader instead "
+        f"(PackedDataset works there like any map-style dataset)")
+
+
+def _name(dataset: Dataset) -> str:
+    path = getattr(dataset, "path", None)
+    return str(path) if path is not None else type(dataset).__name__

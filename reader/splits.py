@@ -1,0 +1,33 @@
+"""``split``: a deterministic, stratified train/validation split of a packed dataset, as two ``Subset``s.
+
+Stratified: every class keeps its share in both parts (``val_fraction * n_c`` of its ``n_c`` records,
+rounded half up, go to validation), so a small validation set still sees every class in proportion.
+Deterministic: the records chosen depend only on ``seed`` and the labels, never on the machine or the
+rank, so every rank of a DDP job computes the same split without talking to the others. Both parts list
+their records in file order: ``make_loader`` shuffles them in quasi-random blocks of the files, and a
+sequential evaluation reads the validation set front to back.
+"""
+from __future__ import annotations
+
+import numpy as np
+from torch.utils.data import Dataset, Subset
+
+from reader.packed_view import as_view
+
+
+def split(dataset: Dataset, val_fraction: float, seed: int = 0) -> tuple[Subset, Subset]:
+    """``(train, val)`` subsets of ``dataset`` (a ``PackedDataset``, or a ``Subset`` or
+    ``ConcatDataset`` of them): disjoint, together every record once, each class split in proportion.
+
+    Both work with ``make_loader`` and with a plain ``DataLoader``. ``val_fraction`` is in (0, 1).
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    labels = as_view(dataset).targets
+    rng = np.random.default_rng(seed)
+    in_val = np.zeros(len(labels), dtype=bool)
+    for label in np.unique(labels).tolist():
+        members = np.flatnonzero(labels == label)
+        chosen = rng.permutation(members)[:int(np.floor(val_fraction * len(members) + 0.5))]
+        in_val[chosen] = True
+    return Subset(dataset, np.flatnonzero(~in_val)), Subset(dataset, np.flatnonzero(in_val))
