@@ -29,13 +29,10 @@ from reader.batch_memory import new_batch
 from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode import decode_jpeg_into
 from reader.format import (
-    ENCODINGS,
-    STORAGES,
     FormatError,
     Manifest,
     load_manifest,
-    read_record_table,
-    table_problems,
+    load_shard_table,
 )
 from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
 
@@ -74,20 +71,13 @@ class PackedDataset(Dataset):
         self.readahead_bytes = readahead_bytes
         self.manifest: Manifest = load_manifest(self.path)
         self.fast_decode = fast_decode
-        _check_manifest(self.manifest, self.path)
-        counts, tables = [], []
+        counts, tables, identities = [], [], []
         for shard in self.manifest.shards:
-            table = read_record_table(self.manifest.storage, self.path / shard.file)
-            if len(table) != shard.records:
-                raise FormatError(f"{self.path / shard.file}: record table has {len(table)} rows, "
-                                  f"the manifest says {shard.records}")
-            problems = table_problems(table, len(self.manifest.classes), self.manifest.encoding,
-                                      self.manifest.shape)
-            if problems:
-                what, rows = problems[0]
-                raise FormatError(f"{self.path / shard.file}: record {rows[0]}: {what}")
+            identity, table = load_shard_table(self.path, self.manifest.storage, shard, len(self.classes),
+                                               self.manifest.encoding, self.manifest.shape)
             counts.append(len(table))
             tables.append(table)
+            identities.append(identity)
         self._shard_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         columns = {name: np.concatenate([t[name] for t in tables]).astype(np.int64)
                    if tables else np.zeros(0, np.int64)
@@ -102,7 +92,8 @@ class PackedDataset(Dataset):
             size = block_size(self.manifest.shards, readahead_bytes)
             block_bounds = [blocks.block_bounds(table["offset"], shard, size)
                             for table, shard in zip(tables, self.manifest.shards)]
-        self._files = ShardFiles([self.path / s.file for s in self.manifest.shards], max_gap, block_bounds)
+        self._files = ShardFiles([self.path / s.file for s in self.manifest.shards], max_gap, block_bounds,
+                                 identities)
         self._scratch = bytearray(0)
 
     def __getstate__(self) -> dict:
@@ -232,16 +223,6 @@ class PackedDataset(Dataset):
                 destinations=[destinations[k] for k in members.tolist()],
                 records=records,
             ))
-
-
-def _check_manifest(manifest: Manifest, path: Path) -> None:
-    origin = path / "manifest.json"
-    if manifest.storage not in STORAGES:
-        raise FormatError(f"{origin}: unknown storage {manifest.storage!r}")
-    if manifest.encoding not in ENCODINGS:
-        raise FormatError(f"{origin}: unknown encoding {manifest.encoding!r}")
-    if manifest.shape is not None and (len(manifest.shape) != 3 or manifest.shape[0] != 3):
-        raise FormatError(f"{origin}: shape {manifest.shape} is not [3, H, W]")
 
 
 def _split(tensor: torch.Tensor, nbytes: np.ndarray) -> list[memoryview]:

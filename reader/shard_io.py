@@ -27,7 +27,11 @@ recently, so the many batches drawing from one window advise each block once, an
 a dataset that the page cache holds advises nothing.
 
 File descriptors are opened lazily and belong to the process that opened them: after a ``fork`` the
-child opens its own, and a pickled reader (``spawn``) carries only the paths and block boundaries.
+child opens its own, and a pickled reader (``spawn``) carries only the paths, block boundaries and the
+shard files' identities. Given identities (``reader.format.FileIdentity``, recorded when the dataset
+was opened), every open checks that the file is still that version, and every read of a shard an
+``fstat`` of its descriptor (about a microsecond), so a shard replaced or rewritten under a running
+job raises ``FormatError`` instead of serving other records against the old record table.
 """
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ from typing import Iterator
 
 import numpy as np
 
-from reader.format import FormatError
+from reader.format import FileIdentity, FormatError
+from reader.format.shard_files import check_identity, open_checked
 
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 DEFAULT_MAX_GAP = 64 << 10
@@ -102,9 +107,11 @@ class ShardFiles:
     """
 
     def __init__(
-        self, paths: list[Path], max_gap: int = DEFAULT_MAX_GAP, block_bounds: list[np.ndarray] | None = None
+        self, paths: list[Path], max_gap: int = DEFAULT_MAX_GAP, block_bounds: list[np.ndarray] | None = None,
+        identities: list[FileIdentity] | None = None,
     ) -> None:
         self.paths = [Path(p) for p in paths]
+        self.identities = identities
         self.max_gap = max_gap
         self.block_bounds = block_bounds
         self._pid: int | None = None
@@ -116,10 +123,11 @@ class ShardFiles:
         self._gap = memoryview(bytearray(0))
 
     def __getstate__(self) -> dict:
-        return {"paths": self.paths, "max_gap": self.max_gap, "block_bounds": self.block_bounds}
+        return {"paths": self.paths, "max_gap": self.max_gap, "block_bounds": self.block_bounds,
+                "identities": self.identities}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["paths"], state["max_gap"], state["block_bounds"])
+        self.__init__(state["paths"], state["max_gap"], state["block_bounds"], state["identities"])
 
     def __del__(self) -> None:
         self.close()
@@ -140,11 +148,16 @@ class ShardFiles:
         fd = self._fds.get(shard)
         if fd is None:
             path = self.paths[shard]
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as e:
-                raise OSError(e.errno, f"cannot open shard file: {e.strerror}", str(path)) from None
+            if self.identities is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as e:
+                    raise OSError(e.errno, f"cannot open shard file: {e.strerror}", str(path)) from None
+            else:
+                fd = open_checked(path, self.identities[shard])
             self._fds[shard] = fd
+        elif self.identities is not None:
+            check_identity(self.paths[shard], fd, self.identities[shard])
         return fd
 
     def read(self, shard: int, request: ReadRequest) -> None:

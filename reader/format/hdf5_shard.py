@@ -66,14 +66,43 @@ class Hdf5ShardWriter(ShardWriter):
             self._file = None
 
 
-def read_hdf5_table(path: Path) -> np.ndarray:
+def internal_dataset(f: h5py.File, name: str, shown: object) -> h5py.Dataset:
+    """The dataset ``/name`` of an open shard, refused unless it lives wholly inside this file.
+
+    An HDF5 file can make ``/name`` an external or soft link, keep a dataset's bytes in other files
+    (external raw storage) or assemble it from other files (a virtual dataset): a shared dataset
+    would then read whatever files its author chose. Only a hard-linked dataset stored in the file
+    itself is accepted.
+    """
+    link = f.get(name, getlink=True)
+    if link is None:
+        raise FormatError(f"{shown}: HDF5 shard has no /{name} dataset")
+    if not isinstance(link, h5py.HardLink):
+        raise FormatError(f"{shown}: /{name} is {type(link).__name__.lower()}, not a dataset stored in "
+                          "this file; links to other files are refused")
+    dataset = f[name]
+    if not isinstance(dataset, h5py.Dataset):
+        raise FormatError(f"{shown}: /{name} is not a dataset")
+    if dataset.is_virtual:
+        raise FormatError(f"{shown}: /{name} is a virtual dataset (built from other files); refused")
+    if dataset.external:
+        raise FormatError(f"{shown}: /{name} keeps its data in external files; refused")
+    return dataset
+
+
+def read_hdf5_table(path: str | Path, shown: Path, records: int | None = None) -> np.ndarray:
+    """The record table of the HDF5 shard at ``path`` (named ``shown`` in errors), checked for links
+    and external storage, its dtype and ``records`` rows before it is read."""
     try:
-        with open_readonly(path) as f:
-            if TABLE_DATASET not in f:
-                raise FormatError(f"{path}: HDF5 shard has no /{TABLE_DATASET} dataset")
-            table = f[TABLE_DATASET][()]
-    except OSError as e:
-        raise FormatError(f"{path}: cannot be opened as an HDF5 shard ({e})") from None
-    if table.dtype != RECORD_TABLE_DTYPE:
-        raise FormatError(f"{path}: record table has dtype {table.dtype}, expected {RECORD_TABLE_DTYPE}")
-    return table
+        with open_readonly(Path(path)) as f:
+            table = internal_dataset(f, TABLE_DATASET, shown)
+            if table.dtype != RECORD_TABLE_DTYPE or len(table.shape) != 1:
+                raise FormatError(f"{shown}: record table has dtype {table.dtype} and shape {table.shape}, "
+                                  f"expected {RECORD_TABLE_DTYPE} rows")
+            if records is not None and table.shape[0] != records:
+                raise FormatError(f"{shown}: record table has {table.shape[0]} rows, the manifest says {records}")
+            return table[()]
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"{shown}: cannot be read as an HDF5 shard ({e})") from None

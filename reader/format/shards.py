@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from reader.format.manifest import fsync_directory
-from reader.format.records import RECORD_TABLE_DTYPE, STORAGES
+from reader.format.manifest import FormatError, ShardInfo, fsync_directory
+from reader.format.records import RECORD_TABLE_DTYPE, STORAGES, table_problems
+from reader.format.shard_files import FileIdentity, checked_shard, fd_path
 
 
 class ShardWriter(abc.ABC):
@@ -78,10 +79,36 @@ def open_shard_writer(storage: str, path: Path) -> ShardWriter:
     return writers[storage](path)
 
 
-def read_record_table(storage: str, path: Path) -> np.ndarray:
-    """The record table stored inside the shard at ``path`` (opened read-only, no lock files)."""
+def read_record_table(
+    storage: str, path: str | os.PathLike, records: int | None = None, shown: os.PathLike | None = None
+) -> np.ndarray:
+    """The record table stored inside the shard at ``path`` (opened read-only, no lock files).
+
+    ``records`` (the manifest's count) is checked before the table is read; errors name ``shown``
+    (default ``path``). For a shard of a dataset, ``load_shard_table`` first checks the file itself.
+    """
     from reader.format.hdf5_shard import read_hdf5_table
     from reader.format.lmdb_shard import read_lmdb_table
 
     readers = {"lmdb": read_lmdb_table, "hdf5": read_hdf5_table}
-    return readers[storage](Path(path))
+    return readers[storage](path, Path(shown or path), records)
+
+
+def load_shard_table(
+    root: Path, storage: str, shard: ShardInfo, num_classes: int, encoding: str, shape: list[int] | None
+) -> tuple[FileIdentity, np.ndarray]:
+    """A dataset shard's identity and record table, after every check that is cheap at open time.
+
+    The file is checked before any container library sees it (``check_shard_file``: plain name,
+    regular file, manifest size), its table is read through the checked descriptor, and its rows must
+    pass ``table_problems`` (labels index a class, payloads inside the file, sizes consistent with the
+    encoding and shape). Raises ``FormatError`` naming the shard and, for a bad row, the record.
+    """
+    path = root / shard.file
+    with checked_shard(root, shard) as (fd, identity):
+        table = read_record_table(storage, fd_path(fd), shard.records, shown=path)
+    problems = table_problems(table, num_classes, encoding, shape, identity.size)
+    if problems:
+        what, rows = min(problems, key=lambda problem: problem[1][0])
+        raise FormatError(f"{path}: record {rows[0]}: {what}")
+    return identity, table
