@@ -38,6 +38,7 @@ from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
 
 
 Images = torch.Tensor | list[torch.Tensor]
+VERIFY_LEVELS = ("tables", "full")
 
 
 class PackedDataset(Dataset):
@@ -55,6 +56,12 @@ class PackedDataset(Dataset):
     seeking for every few records: what makes quasi-random order run at disk bandwidth on an HDD or
     NFS. Cached batches pay nothing for it, and a scattered batch (random order over more than 32
     blocks) reads only its own records.
+
+    The dataset is untrusted input: opening it checks every shard's name, type and size and its record
+    table (``reader.format.load_shard_table``), and reads refuse a shard replaced since (a
+    ``FormatError`` naming the file). ``verify="full"`` also checksums every shard against the
+    manifest at open (reading the whole dataset once, like ``packer verify``), so that no damaged
+    payload byte is ever served; the default ``"tables"`` costs about a millisecond per shard.
     """
 
     def __init__(
@@ -64,9 +71,12 @@ class PackedDataset(Dataset):
         fast_decode: bool = True,
         max_gap: int = DEFAULT_MAX_GAP,
         readahead_bytes: int = DEFAULT_BLOCK_BYTES,
+        verify: str = "tables",
     ) -> None:
         if readahead_bytes < 0:
             raise ValueError(f"readahead_bytes must be 0 (off) or positive, got {readahead_bytes}")
+        if verify not in VERIFY_LEVELS:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, got {verify!r}")
         self.path = Path(path)
         self.readahead_bytes = readahead_bytes
         self.manifest: Manifest = load_manifest(self.path)
@@ -74,7 +84,8 @@ class PackedDataset(Dataset):
         counts, tables, identities = [], [], []
         for shard in self.manifest.shards:
             identity, table = load_shard_table(self.path, self.manifest.storage, shard, len(self.classes),
-                                               self.manifest.encoding, self.manifest.shape)
+                                               self.manifest.encoding, self.manifest.shape,
+                                               checksum=verify == "full")
             counts.append(len(table))
             tables.append(table)
             identities.append(identity)

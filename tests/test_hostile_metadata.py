@@ -17,7 +17,7 @@ import torch
 
 import packer
 from hostile_cases import assert_all_refused, damaged_copies
-from hostile_helpers import assert_one_line_error, edit_manifest, first_shard, run_cli, set_manifest_bytes
+from hostile_helpers import assert_one_line_error, edit_manifest, first_shard, flip_bytes, run_cli, set_manifest_bytes
 from reader import PackedDataset
 from reader.format import FormatError, read_record_table
 from reader.format.lmdb_shard import TABLE_KEY
@@ -206,3 +206,14 @@ def test_shard_replaced_before_a_worker_opens_it_is_noticed(tmp_path: Path, make
                                          multiprocessing_context="spawn", collate_fn=as_is)
     with pytest.raises(FormatError, match=r"shard-0000\d\.\w+: shard file was replaced or changed since"):
         next(iter(loader))
+
+
+def test_verify_full_refuses_a_flipped_payload_byte_that_tables_cannot_see(packed: Path) -> None:
+    shard = first_shard(packed)
+    offset = int(read_record_table(packer.info(packed).storage, shard)[1]["offset"])
+    flip_bytes(shard, np.array([offset + 100]))
+    assert PackedDataset(packed)[1][1] == 0  # the label and table are intact; one pixel is not
+    with pytest.raises(FormatError, match=rf"{shard.name}: checksum mismatch"):
+        PackedDataset(packed, verify="full")
+    with pytest.raises(ValueError, match="verify must be one of tables, full"):
+        PackedDataset(packed, verify="deep")

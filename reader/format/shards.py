@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reader.format.manifest import FormatError, ShardInfo, fsync_directory
+from reader.format.manifest import FormatError, ShardInfo, file_checksum, fsync_directory
 from reader.format.records import RECORD_TABLE_DTYPE, STORAGES, table_problems
 from reader.format.shard_files import FileIdentity, checked_shard, fd_path
 
@@ -95,17 +95,22 @@ def read_record_table(
 
 
 def load_shard_table(
-    root: Path, storage: str, shard: ShardInfo, num_classes: int, encoding: str, shape: list[int] | None
+    root: Path, storage: str, shard: ShardInfo, num_classes: int, encoding: str, shape: list[int] | None,
+    checksum: bool = False,
 ) -> tuple[FileIdentity, np.ndarray]:
     """A dataset shard's identity and record table, after every check that is cheap at open time.
 
     The file is checked before any container library sees it (``check_shard_file``: plain name,
     regular file, manifest size), its table is read through the checked descriptor, and its rows must
     pass ``table_problems`` (labels index a class, payloads inside the file, sizes consistent with the
-    encoding and shape). Raises ``FormatError`` naming the shard and, for a bad row, the record.
+    encoding and shape). With ``checksum``, the whole file must also have the manifest's checksum
+    (this reads the whole shard once). Raises ``FormatError`` naming the shard and, for a bad row, the
+    record.
     """
     path = root / shard.file
     with checked_shard(root, shard) as (fd, identity):
+        if checksum and file_checksum(fd_path(fd)) != shard.checksum:
+            raise FormatError(f"{path}: checksum mismatch (the file is corrupt or changed)")
         table = read_record_table(storage, fd_path(fd), shard.records, shown=path)
     problems = table_problems(table, num_classes, encoding, shape, identity.size)
     if problems:
