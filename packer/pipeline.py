@@ -16,7 +16,7 @@ from typing import Iterator, NamedTuple, Sequence
 from PIL import Image
 
 from packer.errors import PackError
-from packer.transforms import TransformSpec, encode, load_image
+from packer.transforms import SourceFileError, TransformSpec, encode, load_image
 
 CHUNK_SIZE = 32
 CHUNKS_PER_WORKER = 3
@@ -84,6 +84,8 @@ def encode_in_order(
 def describe_failure(error: Exception) -> str:
     """A short reason for a file that could not be packed, from the exception reading it raised."""
     message = str(error)
+    if isinstance(error, SourceFileError):
+        return message
     if isinstance(error, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
         return f"decompression bomb ({message})"
     if isinstance(error, Image.UnidentifiedImageError):
