@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from packer.cleanup import Terminated
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, describe_transform, info
 from packer.packing import ON_ERROR, pack
@@ -106,6 +107,10 @@ def pack_command(src: Path, dst: Path, labels: Path | None, storage: str,
                         max_file_bytes=max_file_bytes, label_kind=label_kind)
     except (PackError, FormatError) as e:
         raise click.ClickException(str(e)) from None
+    except (Terminated, KeyboardInterrupt) as e:
+        click.echo(f"Error: {dst}: interrupted ({e or 'SIGINT'}); temporary files removed, "
+                   "rerun the same command to resume", err=True)
+        raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143) from None
     _print_pack_summary(dst, manifest)
 
 

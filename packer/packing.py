@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from tqdm import tqdm
 
+from packer.cleanup import cleaned_up_on_failure
 from packer.destination import JOURNAL_NAME, check_destination, remove_own_files
 from packer.errors import PackError
 from packer.journal import Journal, plan_fingerprint, resume_journal
@@ -54,7 +55,9 @@ def pack(
     ``on_error="skip"`` leaves unreadable images out (listed in the manifest) instead of failing.
     Source files over ``max_file_bytes`` (or not regular files) are such per-file errors;
     ``label_kind`` (``auto``, ``index``, ``name``) says how a CSV's labels are read (``packer.sources``).
-    An interrupted pack resumes when rerun with the same arguments. Raises ``PackError`` on bad input.
+    An interrupted pack resumes when rerun with the same arguments; a failed or interrupted one (a full
+    disk, SIGINT, SIGTERM) leaves no temporary file (``packer.cleanup``). Raises ``PackError`` on bad
+    input and for a full disk.
     """
     spec = _transform_spec(resize, crop, encoding, quality, max_pixels, max_file_bytes)
     _check_options(storage, shard_size, on_error)
@@ -73,14 +76,15 @@ def pack(
         "transform": dataclasses.asdict(spec),
     }
     dst.mkdir(parents=True, exist_ok=True)
-    journal = resume_journal(dst, plan_fingerprint(plan, options))
-    remove_own_files(dst, keep={JOURNAL_NAME} | {s.file for s in journal.shards})
-    journal.save(dst)
-    _write_records(plan, spec, journal, dst, storage, shard_size, on_error, worker_count, progress)
-    if not journal.shards:
-        raise PackError(f"{src}: every one of the {plan.files} images was skipped; nothing to pack")
-    manifest = _manifest(plan, spec, journal, storage)
-    manifest.write(dst)
+    with cleaned_up_on_failure(dst):
+        journal = resume_journal(dst, plan_fingerprint(plan, options))
+        remove_own_files(dst, keep={JOURNAL_NAME} | {s.file for s in journal.shards})
+        journal.save(dst)
+        _write_records(plan, spec, journal, dst, storage, shard_size, on_error, worker_count, progress)
+        if not journal.shards:
+            raise PackError(f"{src}: every one of the {plan.files} images was skipped; nothing to pack")
+        manifest = _manifest(plan, spec, journal, storage)
+        manifest.write(dst)
     (dst / JOURNAL_NAME).unlink()
     return manifest
 

@@ -8,6 +8,7 @@ own commit follows (large payloads never move; a copied leaf page is never overw
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import struct
@@ -98,6 +99,11 @@ class LmdbShardWriter(ShardWriter):
         self._commit()
         self._env.sync(True)
         self._close()
+
+    def _as_os_error(self, error: Exception) -> OSError | None:
+        if not isinstance(error, lmdb.Error):
+            return None
+        return OSError(errno.EIO, f"LMDB write failed ({error})", str(self.tmp_path))
 
     def _close(self) -> None:
         if self._env is not None:

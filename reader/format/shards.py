@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import abc
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -31,7 +33,8 @@ class ShardWriter(abc.ABC):
 
     def append(self, payload: bytes | memoryview, label: int, height: int, width: int) -> None:
         """Add one record's payload; records keep the order in which they are appended."""
-        self._write_payload(len(self._rows), payload)
+        with self._errors_name_the_file():
+            self._write_payload(len(self._rows), payload)
         self._rows.append((len(payload), label, height, width))
         self.payload_bytes += len(payload)
 
@@ -40,13 +43,34 @@ class ShardWriter(abc.ABC):
         table = np.zeros(len(self._rows), dtype=RECORD_TABLE_DTYPE)
         rows = np.array(self._rows, dtype=np.int64).reshape(-1, 4)
         table["nbytes"], table["label"], table["height"], table["width"] = rows.T
-        table["offset"] = self._finish_payloads(table)
-        self._write_table(table)
-        with open(self.tmp_path, "rb+") as f:
-            os.fsync(f.fileno())
+        with self._errors_name_the_file():
+            table["offset"] = self._finish_payloads(table)
+            self._write_table(table)
+            with open(self.tmp_path, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(self.tmp_path, self.path)
         fsync_directory(self.path.parent)
         return table
+
+    @contextmanager
+    def _errors_name_the_file(self) -> Iterator[None]:
+        """Write errors as ``OSError`` naming the shard's temporary file (a container library's own
+        error, such as LMDB's ``EIO`` on a full disk, converted by ``_as_os_error``)."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror or str(e), str(self.tmp_path)) from e
+        except Exception as e:
+            converted = self._as_os_error(e)
+            if converted is None:
+                raise
+            raise converted from e
+
+    def _as_os_error(self, error: Exception) -> OSError | None:
+        """The container library's write error as an ``OSError`` naming the file, or None."""
+        return None
 
     def abort(self) -> None:
         """Drop everything written so far."""
