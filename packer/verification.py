@@ -30,7 +30,7 @@ from reader.format import (
     read_record_table,
     table_problems,
 )
-from reader.format.hdf5_shard import RECORDS_DATASET, internal_dataset
+from reader.format.hdf5_shard import HDF5_ERRORS, RECORDS_DATASET, internal_dataset
 from reader.format.hdf5_shard import open_readonly as open_hdf5
 from reader.format.lmdb_shard import bounded_value, check_lmdb_meta, mapping_address, record_key
 from reader.format.lmdb_shard import open_readonly as open_lmdb
@@ -191,12 +191,17 @@ def _container_records(
         finally:
             env.close()
         return
-    with open_hdf5(Path(opened)) as f:
-        records = internal_dataset(f, RECORDS_DATASET, shown)
-        start = 0
-        for nbytes in table["nbytes"].tolist():
-            yield records[start : start + nbytes].tobytes() if start + nbytes <= records.shape[0] else None
-            start += nbytes
+    try:
+        with open_hdf5(Path(opened)) as f:
+            records = internal_dataset(f, RECORDS_DATASET, shown)
+            start = 0
+            for nbytes in table["nbytes"].tolist():
+                yield records[start : start + nbytes].tobytes() if start + nbytes <= records.shape[0] else None
+                start += nbytes
+    except HDF5_ERRORS as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"{shown}: the HDF5 shard is damaged ({e})") from None
 
 
 def _record_problem(payload: bytes | None, at_offset: bytes, row: np.void, encoding: str) -> str | None:

@@ -3,7 +3,7 @@
 Run in a subprocess by ``hostile_helpers.probe`` so that a crash (SIGBUS, SIGSEGV) or a hang of the
 code under test fails a test instead of killing pytest; one subprocess runs many jobs, so torch is
 imported once. Usage: ``hostile_probe.py JOBS_JSON`` with a list of ``[ACTION, PATH]``, ACTION one of
-``read`` (PackedDataset, every record), ``verify``, ``verify-deep``, ``info``. Outcome:
+``read`` (PackedDataset, every record), ``read-full`` (the same with ``verify="full"``), ``verify``, ``verify-deep``, ``info``. Outcome:
 ``{"outcome": "ok", ...}`` or ``{"outcome": <exception class>, "message": ...}``.
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ import sys
 import xxhash
 
 
-def read_all(path: str) -> dict:
+def read_all(path: str, verify: str = "tables") -> dict:
     """Every record's label and an xxh3 digest of its pixels, through ``PackedDataset``."""
     from reader import PackedDataset
 
-    ds = PackedDataset(path)
+    ds = PackedDataset(path, verify=verify)
     labels, digests = [], []
     for start in range(0, len(ds), 4):
         images, batch_labels = ds.__getitems__(list(range(start, min(start + 4, len(ds)))))
@@ -32,6 +32,8 @@ def run(action: str, path: str) -> dict:
 
     if action == "read":
         return read_all(path)
+    if action == "read-full":
+        return read_all(path, verify="full")
     if action in ("verify", "verify-deep"):
         report = packer.verify(path, deep=action == "verify-deep", progress=False)
         return {"problems": report.problems}

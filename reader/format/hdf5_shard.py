@@ -18,6 +18,9 @@ from reader.format.shards import ShardWriter
 RECORDS_DATASET = "records"
 TABLE_DATASET = "table"
 _COPY_CHUNK = 64 << 20
+# What h5py raises for a damaged file, depending on where HDF5 notices (an object header, a dataspace,
+# a B-tree...): each becomes one FormatError naming the shard.
+HDF5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)
 
 
 def open_readonly(path: Path) -> h5py.File:
@@ -102,7 +105,7 @@ def read_hdf5_table(path: str | Path, shown: Path, records: int | None = None) -
             if records is not None and table.shape[0] != records:
                 raise FormatError(f"{shown}: record table has {table.shape[0]} rows, the manifest says {records}")
             return table[()]
-    except (OSError, KeyError, ValueError, RuntimeError) as e:
+    except HDF5_ERRORS as e:
         if isinstance(e, FormatError):
             raise
         raise FormatError(f"{shown}: cannot be read as an HDF5 shard ({e})") from None
