@@ -247,6 +247,8 @@ def scan_csv(root: Path, csv_path: Path, files: _FileCheck | None = None, label_
 def _read_rows(csv_path: Path) -> list[tuple[int, str, str]]:
     """``(line number, path, label)`` for each data row; malformed rows are errors naming the line."""
     try:
+        if not stat.S_ISREG(os.stat(csv_path).st_mode):
+            raise PackError(f"{csv_path}: the labels CSV is not a regular file")
         with open(csv_path, newline="", encoding="utf-8-sig") as f:
             reader = csv.reader(f)
             records = [(reader.line_num, row) for row in reader]

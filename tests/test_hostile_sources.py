@@ -158,3 +158,9 @@ def test_label_kind_is_explicit(src: Path) -> None:
     plan = scan_source(src, labels, "fail", label_kind="index")
     assert plan.classes == ["0", "1", "2", "3"] and plan.labels.tolist() == [3, 1]
     assert np.array_equal(scan_source(src, labels, "fail").labels, plan.labels)
+
+
+def test_labels_csv_that_is_a_fifo_is_refused(src: Path, tmp_path: Path) -> None:
+    os.mkfifo(src / "labels.csv")
+    assert_one_line_error(pack_cli(src, tmp_path / "out", "--labels", src / "labels.csv"),
+                          "labels.csv: the labels CSV is not a regular file")
