@@ -76,6 +76,12 @@ def _free_bytes(dst: Path) -> int | None:
     return fs.f_bavail * fs.f_frsize
 
 
+def leave_interrupts_to_the_parent() -> None:
+    """In an encoding worker process: ignore SIGINT. Ctrl-C reaches the whole process group; the
+    parent unwinds, cleans up and shuts the pool down, so the workers need not print tracebacks."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @contextmanager
 def _sigterm_raises() -> Iterator[None]:
     """Make SIGTERM raise ``Terminated`` in the main thread while the block runs (elsewhere: no-op)."""
@@ -84,7 +90,7 @@ def _sigterm_raises() -> Iterator[None]:
         return
 
     def terminate(signum: int, frame: object) -> None:
-        raise Terminated(f"received {signal.Signals(signum).name}")
+        raise Terminated(signal.Signals(signum).name)
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:

@@ -108,7 +108,7 @@ def pack_command(src: Path, dst: Path, labels: Path | None, storage: str,
     except (PackError, FormatError) as e:
         raise click.ClickException(str(e)) from None
     except (Terminated, KeyboardInterrupt) as e:
-        click.echo(f"Error: {dst}: interrupted ({e or 'SIGINT'}); temporary files removed, "
+        click.echo(f"Error: {dst}: interrupted ({str(e) or 'SIGINT'}); temporary files removed, "
                    "rerun the same command to resume", err=True)
         raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143) from None
     _print_pack_summary(dst, manifest)

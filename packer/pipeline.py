@@ -15,6 +15,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 from PIL import Image
 
+from packer.cleanup import leave_interrupts_to_the_parent
 from packer.errors import PackError
 from packer.transforms import SourceFileError, TransformSpec, encode, load_image
 
@@ -64,7 +65,8 @@ def encode_in_order(
         for chunk in chunks:
             yield from encode_chunk(chunk, spec)
         return
-    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=leave_interrupts_to_the_parent)
     try:
         pending: deque[Future[list[Encoded | Failure]]] = deque()
         for chunk in chunks:
