@@ -72,3 +72,28 @@ def test_flipped_bytes_never_give_anything_but_format_errors_or_right_data(
         if read_full["outcome"] != "FormatError" or name not in read_full["message"]:
             failures.append(f"{where} read verify='full': {json.dumps(read_full)[:300]}")
     assert not failures, "\n".join(failures)
+
+
+def test_flipped_manifest_bytes_give_format_errors_or_a_readable_dataset(
+    tmp_path: Path, make_packed_dataset: Callable[..., Path]
+) -> None:
+    """The manifest is parsed in this process (no container library involved, nothing to crash):
+    whatever the damage, the reader, ``verify`` and ``info`` either work or raise ``FormatError``."""
+    import packer
+    from reader import PackedDataset
+    from reader.format import FormatError
+
+    dst = make_packed_dataset(tmp_path, resize=16, crop=16, shard_size=4 * 768)
+    original = (dst / "manifest.json").read_bytes()
+    rng = np.random.default_rng(SEED)
+    for _ in range(60):
+        data = bytearray(original)
+        for position in rng.integers(0, len(data), int(rng.integers(1, MAX_FLIPS + 1))).tolist():
+            data[position] ^= int(rng.integers(1, 256))
+        (dst / "manifest.json").write_bytes(bytes(data))
+        for action in (lambda: PackedDataset(dst)[0], lambda: packer.verify(dst, progress=False),
+                       lambda: packer.info(dst)):
+            try:
+                action()
+            except FormatError as e:
+                assert "manifest.json" in str(e) or "shard-" in str(e), e
