@@ -277,7 +277,7 @@ def _read_rows(csv_path: Path) -> list[tuple[int, str, str]]:
 def _label_ids(rows: list[tuple[int, str, str]], csv_path: Path, label_kind: str) -> tuple[list[str], np.ndarray]:
     """Classes and int64 label ids: integers kept as they are, class names indexed in sorted order."""
     names = [label for _, _, label in rows]
-    is_index = [name.isdecimal() for name in names]
+    is_index = [name.removeprefix("-").isdecimal() for name in names]  # a negative one is refused below
     if label_kind == "auto" and any(is_index) and not all(is_index):
         line, path, label = rows[is_index.index(False) if is_index[0] else is_index.index(True)]
         raise PackError(
@@ -285,16 +285,16 @@ def _label_ids(rows: list[tuple[int, str, str]], csv_path: Path, label_kind: str
             "pass --label-kind index (integers only) or --label-kind name (every label a class name)"
         )
     if label_kind == "index" or (label_kind == "auto" and names and all(is_index)):
-        return _index_labels(rows, is_index, csv_path)
+        return _index_labels(rows, csv_path)
     classes = sorted(set(names))
     index = {name: i for i, name in enumerate(classes)}
     return classes, np.array([index[name] for name in names], dtype=np.int64)
 
 
-def _index_labels(rows: list[tuple[int, str, str]], is_index: list[bool], csv_path: Path) -> tuple[list[str], np.ndarray]:
+def _index_labels(rows: list[tuple[int, str, str]], csv_path: Path) -> tuple[list[str], np.ndarray]:
     """Integer labels kept as they are; classes ``"0"..str(max)``, at most ``MAX_INDEX_CLASSES``."""
-    for (line, path, label), ok in zip(rows, is_index):
-        if not ok or int(label) >= MAX_INDEX_CLASSES:
+    for line, path, label in rows:
+        if not label.isdecimal() or int(label) >= MAX_INDEX_CLASSES:
             raise PackError(
                 f"{csv_path}, line {line}: label {label[:30]!r} for {path!r} is not an integer from 0 to "
                 f"{MAX_INDEX_CLASSES - 1} (integer labels index classes 0..max)"

@@ -48,7 +48,7 @@ def table_problems(
     Labels must index a class, heights and widths be 1 to ``MAX_SIDE``, raw payloads be ``3*H*W``
     bytes, every record have the manifest's fixed ``shape`` when it has one, and (given ``file_size``)
     every payload lie inside the file without overlapping another. All vectorised: cheap enough to
-    run on every open of a dataset (about 1 ms per 100,000 records).
+    run on every open of a dataset (3.5 ms per 100,000 records in file order, 13 ms shuffled).
     """
     height, width = table["height"].astype(np.uint64), table["width"].astype(np.uint64)
     checks = [
