@@ -103,8 +103,8 @@ class PackedDataset(Dataset):
             size = block_size(self.manifest.shards, readahead_bytes)
             block_bounds = [blocks.block_bounds(table["offset"], shard, size)
                             for table, shard in zip(tables, self.manifest.shards)]
-        self._files = ShardFiles([self.path / s.file for s in self.manifest.shards], max_gap, block_bounds,
-                                 identities)
+        self._files = ShardFiles([self.path / s.file for s in self.manifest.shards], identities, max_gap,
+                                 block_bounds)
         self._scratch = bytearray(0)
 
     def __getstate__(self) -> dict:

@@ -28,10 +28,10 @@ a dataset that the page cache holds advises nothing.
 
 File descriptors are opened lazily and belong to the process that opened them: after a ``fork`` the
 child opens its own, and a pickled reader (``spawn``) carries only the paths, block boundaries and the
-shard files' identities. Given identities (``reader.format.FileIdentity``, recorded when the dataset
-was opened), every open checks that the file is still that version, and every read of a shard an
-``fstat`` of its descriptor (about a microsecond), so a shard replaced or rewritten under a running
-job raises ``FormatError`` instead of serving other records against the old record table.
+shard files' identities (``reader.format.FileIdentity``, recorded when the dataset was opened).
+Every open checks that the file is still that version, and every read of a shard an ``fstat`` of its
+descriptor (about a microsecond), so a shard replaced or rewritten under a running job raises
+``FormatError`` instead of serving other records against the old record table.
 """
 from __future__ import annotations
 
@@ -102,13 +102,15 @@ class _Run:
 class ShardFiles:
     """Read-only descriptors on a dataset's shard files, opened on first use in each process.
 
+    ``identities[s]`` is what shard file ``s`` was when the dataset was opened (see the module doc).
+
     ``block_bounds[s]`` (optional) cuts shard file ``s`` into read-ahead blocks: the sorted byte
     offsets where blocks start, then the file's end. Without it, only the requested records are read.
     """
 
     def __init__(
-        self, paths: list[Path], max_gap: int = DEFAULT_MAX_GAP, block_bounds: list[np.ndarray] | None = None,
-        identities: list[FileIdentity] | None = None,
+        self, paths: list[Path], identities: list[FileIdentity], max_gap: int = DEFAULT_MAX_GAP,
+        block_bounds: list[np.ndarray] | None = None,
     ) -> None:
         self.paths = [Path(p) for p in paths]
         self.identities = identities
@@ -127,7 +129,7 @@ class ShardFiles:
                 "identities": self.identities}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["paths"], state["max_gap"], state["block_bounds"], state["identities"])
+        self.__init__(state["paths"], state["identities"], state["max_gap"], state["block_bounds"])
 
     def __del__(self) -> None:
         self.close()
@@ -147,16 +149,8 @@ class ShardFiles:
             self._gap = memoryview(bytearray(self.max_gap))
         fd = self._fds.get(shard)
         if fd is None:
-            path = self.paths[shard]
-            if self.identities is None:
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                except OSError as e:
-                    raise OSError(e.errno, f"cannot open shard file: {e.strerror}", str(path)) from None
-            else:
-                fd = open_checked(path, self.identities[shard])
-            self._fds[shard] = fd
-        elif self.identities is not None:
+            fd = self._fds[shard] = open_checked(self.paths[shard], self.identities[shard])
+        else:
             check_identity(self.paths[shard], fd, self.identities[shard])
         return fd
 

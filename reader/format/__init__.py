@@ -21,7 +21,7 @@ from reader.format.records import (
     shard_file_name,
     table_problems,
 )
-from reader.format.shard_files import FileIdentity, check_shard_file
+from reader.format.shard_files import FileIdentity
 from reader.format.shards import ShardWriter, load_shard_table, open_shard_writer, read_record_table
 
 __all__ = [
@@ -36,7 +36,6 @@ __all__ = [
     "Manifest",
     "ShardInfo",
     "ShardWriter",
-    "check_shard_file",
     "file_checksum",
     "load_manifest",
     "load_shard_table",
