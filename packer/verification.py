@@ -145,7 +145,8 @@ def _check_table(
 
 
 def _read_back(
-    root: Path, manifest: Manifest, tables: dict[int, tuple[np.ndarray, np.ndarray]], report: VerifyReport, progress: bool
+    root: Path, manifest: Manifest, tables: dict[int, tuple[np.ndarray, np.ndarray]], report: VerifyReport,
+    progress: bool,
 ) -> None:
     """Every record through the container API, compared with the bytes at its offset, then decoded."""
     total = sum(len(table) for table, _ in tables.values())

@@ -3,8 +3,9 @@
 Run in a subprocess by ``hostile_helpers.probe`` so that a crash (SIGBUS, SIGSEGV) or a hang of the
 code under test fails a test instead of killing pytest; one subprocess runs many jobs, so torch is
 imported once. Usage: ``hostile_probe.py JOBS_JSON`` with a list of ``[ACTION, PATH]``, ACTION one of
-``read`` (PackedDataset, every record), ``read-full`` (the same with ``verify="full"``), ``verify``, ``verify-deep``, ``info``. Outcome:
-``{"outcome": "ok", ...}`` or ``{"outcome": <exception class>, "message": ...}``.
+``read`` (PackedDataset, every record), ``read-full`` (the same with ``verify="full"``), ``verify``,
+``verify-deep``, ``info``. Outcome: ``{"outcome": "ok", ...}`` or ``{"outcome": <exception class>,
+"message": ...}``.
 """
 from __future__ import annotations
 

@@ -125,10 +125,12 @@ def write_csv(src: Path, text: str) -> Path:
 @pytest.mark.parametrize("rows, message", [
     ("a/0.png,0\n../outside.png,1\n", r"line 2: path '../outside.png' leaves SRC"),
     ("a/0.png,0\na/../../outside.png,1\n", r"line 2: path 'a/../../outside.png' leaves SRC"),
-    ("a/0.png,0\na/1.png,99999999999999999999\n", r"line 2: label '99999999999999999999' for 'a/1.png' is not an integer from 0 to 999999"),
+    ("a/0.png,0\na/1.png,99999999999999999999\n",
+     r"line 2: label '99999999999999999999' for 'a/1.png' is not an integer from 0 to 999999"),
     (f"a/0.png,0\na/1.png,{MAX_INDEX_CLASSES}\n", r"line 2: label '1000000' .* is not an integer from 0 to 999999"),
     ("a/0.png,0\na/1.png,-1\n", r"line 2: label '-1' for 'a/1.png' is not an integer from 0 to 999999"),
-    ("a/0.png,0\na/1.png,1\nb/0.png,cat\n", r"line 3: label 'cat' for 'b/0.png' mixes class names with integer labels; pass --label-kind"),
+    ("a/0.png,0\na/1.png,1\nb/0.png,cat\n",
+     r"line 3: label 'cat' for 'b/0.png' mixes class names with integer labels; pass --label-kind"),
     ("a/0.png,cat\na/1.png,dog\nb/0.png,7\n", r"line 3: label '7' for 'b/0.png' mixes class names"),
     ("a/0.png,0\na/1.png,1\na/./0.png,1\n", r"line 3: 'a/./0.png' is listed again \(first on line 1\)"),
 ])
