@@ -110,7 +110,9 @@ def virtual_dataset(f: h5py.File, table: np.ndarray, outside: Path) -> None:
     f.create_virtual_dataset("table", layout)
 
 
-def relink_table(make: Callable[[h5py.File, np.ndarray, Path], None], what: str) -> Callable[[Path], tuple[str, ...]]:
+def relink_table(
+    make: Callable[[h5py.File, np.ndarray, Path], None], what: str
+) -> Callable[[Path], tuple[str, ...]]:
     """Replace ``/table`` of the first HDF5 shard by what ``make`` builds, and fix the manifest's size."""
     def damage(dst: Path) -> tuple[str, ...]:
         shard = first_shard(dst)
@@ -123,6 +125,16 @@ def relink_table(make: Callable[[h5py.File, np.ndarray, Path], None], what: str)
     return damage
 
 
+def compressed_table_bomb(dst: Path) -> tuple[str, ...]:
+    """A gzip-compressed ``/table`` of a million rows (32 MB) in a file of a few KB, and a manifest that
+    agrees with it: refused before it is inflated."""
+    def bomb(f: h5py.File, table: np.ndarray, outside: Path) -> None:
+        f.create_dataset("table", shape=(1_000_000,), dtype=table.dtype, chunks=(100_000,), compression="gzip")
+    names = relink_table(bomb, "more than the file can hold")(dst)
+    edit_manifest(dst, lambda data: data["shards"][0].update(records=1_000_000))
+    return names
+
+
 def test_hdf5_tables_in_other_files_are_refused(tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> None:
     dst = make_packed_dataset(tmp_path, storage="hdf5", resize=16, crop=16, shard_size=10**6)
     assert_all_refused(damaged_copies(dst, {
@@ -130,4 +142,5 @@ def test_hdf5_tables_in_other_files_are_refused(tmp_path: Path, make_packed_data
         "soft link": relink_table(soft_link, "softlink"),
         "external raw storage": relink_table(external_storage, "external files"),
         "virtual dataset": relink_table(virtual_dataset, "virtual dataset"),
+        "a compressed table of a million rows": compressed_table_bomb,
     }))

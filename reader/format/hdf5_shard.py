@@ -6,6 +6,7 @@ the same records give the same bytes.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import h5py
@@ -95,7 +96,8 @@ def internal_dataset(f: h5py.File, name: str, shown: object) -> h5py.Dataset:
 
 def read_hdf5_table(path: str | Path, shown: Path, records: int | None = None) -> np.ndarray:
     """The record table of the HDF5 shard at ``path`` (named ``shown`` in errors), checked for links
-    and external storage, its dtype and ``records`` rows before it is read."""
+    and external storage, its dtype, ``records`` rows and a size the file can hold (a compressed
+    table claiming a billion rows would otherwise be inflated into memory) before it is read."""
     try:
         with open_readonly(Path(path)) as f:
             table = internal_dataset(f, TABLE_DATASET, shown)
@@ -104,6 +106,9 @@ def read_hdf5_table(path: str | Path, shown: Path, records: int | None = None) -
                                   f"expected {RECORD_TABLE_DTYPE} rows")
             if records is not None and table.shape[0] != records:
                 raise FormatError(f"{shown}: record table has {table.shape[0]} rows, the manifest says {records}")
+            if table.shape[0] * RECORD_TABLE_DTYPE.itemsize > os.stat(path).st_size:
+                raise FormatError(f"{shown}: record table claims {table.shape[0]} rows, more than the file "
+                                  "can hold uncompressed; refused")
             return table[()]
     except HDF5_ERRORS as e:
         if isinstance(e, FormatError):
