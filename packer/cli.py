@@ -11,9 +11,11 @@ from pathlib import Path
 
 import click
 
+from packer.cleanup import Terminated
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, describe_transform, info
 from packer.packing import ON_ERROR, pack
+from packer.sources import LABEL_KINDS
 from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
 from packer.verification import verify
 from packer.version import __version__
@@ -88,18 +90,27 @@ def main() -> None:
 @click.option("--force", is_flag=True, help="Overwrite a finished dataset, or pack into a non-empty DST.")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=DEFAULT_MAX_PIXELS, show_default=True,
               help="Images with more pixels are refused as decompression bombs.")
+@click.option("--max-file-size", "max_file_bytes", type=ByteSize(), default="1GiB", show_default=True,
+              help="Source files larger than this are refused (a per-file error).")
+@click.option("--label-kind", type=click.Choice(LABEL_KINDS), default="auto", show_default=True,
+              help="CSV labels: index (integers 0..N-1), name (class names), auto (refuses a mix).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def pack_command(src: Path, dst: Path, labels: Path | None, storage: str,
                  resize: int | tuple[int, int] | None, crop: int | tuple[int, int] | None,
                  encoding: str, quality: int, shard_size: int, workers: int | None, on_error: str,
-                 force: bool, max_pixels: int, quiet: bool) -> None:
+                 force: bool, max_pixels: int, max_file_bytes: int, label_kind: str, quiet: bool) -> None:
     """Pack the images under SRC (one sub-folder per class, or --labels) into the dataset DST."""
     try:
         manifest = pack(src, dst, labels=labels, storage=storage, resize=resize, crop=crop,
                         encoding=encoding, quality=quality, shard_size=shard_size, workers=workers,
-                        on_error=on_error, force=force, progress=not quiet, max_pixels=max_pixels)
+                        on_error=on_error, force=force, progress=not quiet, max_pixels=max_pixels,
+                        max_file_bytes=max_file_bytes, label_kind=label_kind)
     except (PackError, FormatError) as e:
         raise click.ClickException(str(e)) from None
+    except (Terminated, KeyboardInterrupt) as e:
+        click.echo(f"Error: {dst}: interrupted ({str(e) or 'SIGINT'}); temporary files removed, "
+                   "rerun the same command to resume", err=True)
+        raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143) from None
     _print_pack_summary(dst, manifest)
 
 

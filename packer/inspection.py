@@ -1,6 +1,7 @@
 """``info()``: what a packed dataset holds, from its manifest and the shard files on disk."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,7 +60,18 @@ def info(path: str | os.PathLike) -> DatasetInfo:
 
 
 def describe_transform(transform: dict[str, Any]) -> str:
-    """One line for people: the resize, filter and crop a manifest's ``transform`` records."""
+    """One line for people: the resize, filter and crop a manifest's ``transform`` records.
+
+    The manifest is someone else's file: a description this packer did not write prints as
+    ``unrecognised (...)`` rather than failing ``info``.
+    """
+    try:
+        return _describe_known_transform(transform)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        return f"unrecognised ({json.dumps(transform)[:80]})"
+
+
+def _describe_known_transform(transform: dict[str, Any]) -> str:
     parts = []
     resize = transform.get("resize")
     if resize and "shorter_side" in resize:

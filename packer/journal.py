@@ -77,7 +77,7 @@ def plan_fingerprint(plan: Plan, options: dict[str, Any]) -> str:
     digest = xxhash.xxh3_128()
     header = {"kind": plan.kind, "root": str(plan.root), "classes": plan.classes, "options": options}
     digest.update(json.dumps(header, sort_keys=True).encode())
-    digest.update("\0".join(plan.paths).encode())
+    digest.update("\0".join(plan.paths).encode("utf-8", "surrogateescape"))  # names need not be UTF-8
     digest.update(plan.labels.tobytes())
     return digest.hexdigest()
 

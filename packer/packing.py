@@ -12,14 +12,15 @@ import os
 from pathlib import Path
 from tqdm import tqdm
 
+from packer.cleanup import cleaned_up_on_failure
 from packer.destination import JOURNAL_NAME, check_destination, remove_own_files
 from packer.errors import PackError
 from packer.journal import Journal, plan_fingerprint, resume_journal
 from packer.malloc_tuning import reuse_large_allocations
 from packer.pipeline import Failure, encode_in_order
 from packer.shard_sequence import ShardSequence
-from packer.sources import Plan, Skipped, scan_source
-from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
+from packer.sources import Plan, Skipped, display_name, scan_source
+from packer.transforms import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS, TransformSpec
 from packer.version import __version__
 from reader.format import FORMAT_VERSION, STORAGES, Manifest
 
@@ -42,6 +43,8 @@ def pack(
     force: bool = False,
     progress: bool = True,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    label_kind: str = "auto",
 ) -> Manifest:
     """Pack the images under ``src`` into the dataset directory ``dst`` and return its manifest.
 
@@ -50,14 +53,18 @@ def pack(
     ``(width, height)``; see ``packer.transforms`` for the exact pre-transform. ``shard_size`` bounds
     each shard's payload bytes. ``workers`` defaults to every core; 0 or 1 packs in this process.
     ``on_error="skip"`` leaves unreadable images out (listed in the manifest) instead of failing.
-    An interrupted pack resumes when rerun with the same arguments. Raises ``PackError`` on bad input.
+    Source files over ``max_file_bytes`` (or not regular files) are such per-file errors;
+    ``label_kind`` (``auto``, ``index``, ``name``) says how a CSV's labels are read (``packer.sources``).
+    An interrupted pack resumes when rerun with the same arguments; a failed or interrupted one (a full
+    disk, SIGINT, SIGTERM) leaves no temporary file (``packer.cleanup``). Raises ``PackError`` on bad
+    input and for a full disk.
     """
-    spec = _transform_spec(resize, crop, encoding, quality, max_pixels)
+    spec = _transform_spec(resize, crop, encoding, quality, max_pixels, max_file_bytes)
     _check_options(storage, shard_size, on_error)
     worker_count = _worker_count(workers)
     dst = Path(dst)
     check_destination(dst, force)
-    plan = scan_source(src, labels, on_error)
+    plan = scan_source(src, labels, on_error, max_file_bytes=max_file_bytes, label_kind=label_kind, exclude=dst)
     if not len(plan):
         raise PackError(f"{src}: no images to pack ({_empty_reason(plan)})")
     options = {
@@ -69,14 +76,15 @@ def pack(
         "transform": dataclasses.asdict(spec),
     }
     dst.mkdir(parents=True, exist_ok=True)
-    journal = resume_journal(dst, plan_fingerprint(plan, options))
-    remove_own_files(dst, keep={JOURNAL_NAME} | {s.file for s in journal.shards})
-    journal.save(dst)
-    _write_records(plan, spec, journal, dst, storage, shard_size, on_error, worker_count, progress)
-    if not journal.shards:
-        raise PackError(f"{src}: every one of the {plan.files} images was skipped; nothing to pack")
-    manifest = _manifest(plan, spec, journal, storage)
-    manifest.write(dst)
+    with cleaned_up_on_failure(dst):
+        journal = resume_journal(dst, plan_fingerprint(plan, options))
+        remove_own_files(dst, keep={JOURNAL_NAME} | {s.file for s in journal.shards})
+        journal.save(dst)
+        _write_records(plan, spec, journal, dst, storage, shard_size, on_error, worker_count, progress)
+        if not journal.shards:
+            raise PackError(f"{src}: every one of the {plan.files} images was skipped; nothing to pack")
+        manifest = _manifest(plan, spec, journal, storage)
+        manifest.write(dst)
     (dst / JOURNAL_NAME).unlink()
     return manifest
 
@@ -103,7 +111,7 @@ def _write_records(
         try:
             for position, result in enumerate(results, start):
                 if isinstance(result, Failure):
-                    skipped = Skipped(plan.paths[position], result.reason)
+                    skipped = Skipped(display_name(plan.paths[position]), result.reason)
                     if on_error == "fail":
                         raise PackError(f"{plan.root / skipped.path}: {skipped.reason}")
                     journal.skipped.append((position, skipped))
@@ -147,9 +155,10 @@ def _transform_spec(
     encoding: str,
     quality: int,
     max_pixels: int,
+    max_file_bytes: int,
 ) -> TransformSpec:
     try:
-        return TransformSpec(resize, crop, encoding, quality, max_pixels)
+        return TransformSpec(resize, crop, encoding, quality, max_pixels, max_file_bytes)
     except ValueError as e:
         raise PackError(str(e)) from None
 

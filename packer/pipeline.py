@@ -15,8 +15,9 @@ from typing import Iterator, NamedTuple, Sequence
 
 from PIL import Image
 
+from packer.cleanup import leave_interrupts_to_the_parent
 from packer.errors import PackError
-from packer.transforms import TransformSpec, encode, load_image
+from packer.transforms import SourceFileError, TransformSpec, encode, load_image
 
 CHUNK_SIZE = 32
 CHUNKS_PER_WORKER = 3
@@ -64,7 +65,8 @@ def encode_in_order(
         for chunk in chunks:
             yield from encode_chunk(chunk, spec)
         return
-    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=leave_interrupts_to_the_parent)
     try:
         pending: deque[Future[list[Encoded | Failure]]] = deque()
         for chunk in chunks:
@@ -84,6 +86,8 @@ def encode_in_order(
 def describe_failure(error: Exception) -> str:
     """A short reason for a file that could not be packed, from the exception reading it raised."""
     message = str(error)
+    if isinstance(error, SourceFileError):
+        return message
     if isinstance(error, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
         return f"decompression bomb ({message})"
     if isinstance(error, Image.UnidentifiedImageError):

@@ -74,8 +74,8 @@ class ShardSequence:
     def _close_shard(self, end: int) -> None:
         if self._writer is None:
             return
+        self._report_published()  # may raise: the writer stays ours, for abort() to drop
         writer, self._writer = self._writer, None
-        self._report_published()
         self._publishing = (self._publisher.submit(_publish, writer, self._dst / self._name), end)
 
     def _report_published(self) -> None:
@@ -88,6 +88,11 @@ class ShardSequence:
 
 
 def _publish(writer: ShardWriter, path: Path) -> ShardInfo:
-    """Finish a shard (table, fsync, rename) and describe it for the manifest."""
-    writer.finish()
+    """Finish a shard (table, fsync, rename) and describe it for the manifest; a shard that cannot be
+    finished (a full disk) is dropped, leaving no temporary file behind."""
+    try:
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
     return ShardInfo(path.name, writer.num_records, os.path.getsize(path), file_checksum(path))

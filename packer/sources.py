@@ -3,26 +3,42 @@
 ImageFolder follows torchvision exactly: classes are the sorted names of SRC's sub-folders, each class
 folder is walked recursively (following links) in sorted order, files are kept when their lower-cased
 name ends with one of torchvision's image extensions, so labels and order equal
-``torchvision.datasets.ImageFolder(SRC)``.
+``torchvision.datasets.ImageFolder(SRC)`` on any tree torchvision handles. Where torchvision would loop
+or hang, the scan refuses instead: a folder reached a second time (a symlink loop such as
+``ln -s .. SRC/a/loop``, or a second link to a folder already scanned) is not walked again and is
+reported; DST inside SRC is left out.
+
+Every image file (CSV rows alike) must be a regular file, or a symlink to one, of at most
+``max_file_bytes``: a FIFO would block the pack forever and a link to ``/dev/zero`` would be read
+without end. Such a file is a per-file error: it stops the pack, or with ``on_error="skip"`` is listed
+with its reason. File names need not be UTF-8: they are kept as Python reads them (undecodable bytes
+as surrogate escapes) to open the file, and written for people and the manifest with those bytes as
+``\\xNN`` escapes (``display_name``), so a name never breaks the pack or the JSON.
 
 CSV: one ``path,label`` row per image (an optional ``path,label`` header, blank lines ignored), paths
-relative to SRC, rows kept in file order. When every label is a non-negative integer, the labels are
-kept as they are and ``classes`` are the string forms of ``0..max``; otherwise labels are class names
-and ``classes`` are the sorted distinct names.
+relative to SRC and staying inside it, each listed once, rows kept in file order. ``label_kind``:
+``index`` keeps integer labels as they are (``classes`` are the string forms of ``0..max``, at most
+``MAX_INDEX_CLASSES``); ``name`` takes labels as class names (``classes`` the sorted distinct names);
+``auto`` (the default) chooses ``index`` when every label is a non-negative integer and ``name`` when
+none is, and refuses a mix, naming the first row that does not fit, instead of switching silently.
 """
 from __future__ import annotations
 
 import csv
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from packer.errors import PackError
-from packer.transforms import IMAGE_EXTENSIONS
+from packer.transforms import DEFAULT_MAX_FILE_BYTES, IMAGE_EXTENSIONS
 
 _HEADER = ["path", "label"]
+LABEL_KINDS = ("auto", "index", "name")
+# Integer labels name classes 0..max: more than this many classes is refused (10^9 would exhaust memory).
+MAX_INDEX_CLASSES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -53,58 +69,186 @@ class Plan:
         return len(self.paths)
 
 
-def scan_source(src: str | os.PathLike, labels: str | os.PathLike | None, on_error: str) -> Plan:
-    """The plan for ``src``: an ImageFolder tree, or the CSV file ``labels`` when one is given."""
+def display_name(path: str) -> str:
+    """``path`` as printable text: bytes that are not UTF-8 (surrogate escapes) shown as ``\\xNN``."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def scan_source(
+    src: str | os.PathLike,
+    labels: str | os.PathLike | None,
+    on_error: str,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    label_kind: str = "auto",
+    exclude: str | os.PathLike | None = None,
+) -> Plan:
+    """The plan for ``src``: an ImageFolder tree, or the CSV file ``labels`` when one is given.
+
+    ``exclude`` (the destination) is a folder left out of an ImageFolder scan.
+    """
     root = Path(src).resolve()
     if not root.is_dir():
-        raise PackError(f"{src}: source is not a directory")
+        raise PackError(f"{display_name(str(src))}: source is not a directory")
+    if label_kind not in LABEL_KINDS:
+        raise PackError(f"label kind {label_kind!r} is not one of {', '.join(LABEL_KINDS)}")
+    files = _FileCheck(root, on_error, max_file_bytes)
     if labels is None:
-        return scan_image_folder(root)
-    return scan_csv(root, Path(labels), on_error)
+        return scan_image_folder(root, files, exclude)
+    return scan_csv(root, Path(labels), files, label_kind)
 
 
-def scan_image_folder(root: Path) -> Plan:
+class _FileCheck:
+    """Per-file checks of the source: regular file (or a link to one) within the size limit.
+
+    ``problem(relative)`` returns why the file cannot be packed (or None); ``report`` raises it in
+    fail mode and collects it in skip mode.
+    """
+
+    def __init__(self, root: Path, on_error: str, max_file_bytes: int) -> None:
+        self.root = root
+        self.on_error = on_error
+        self.max_file_bytes = max_file_bytes
+        self.skipped: list[Skipped] = []
+
+    def problem(self, relative: str) -> str | None:
+        try:
+            st = os.stat(self.root / relative)
+        except FileNotFoundError:
+            if os.path.islink(self.root / relative):
+                return "unreadable file (broken symlink)"
+            return "no such file"
+        except OSError as e:
+            return f"cannot stat the file ({e.strerror})"
+        if not stat.S_ISREG(st.st_mode):
+            return f"not a regular file ({_file_kind(st.st_mode)})"
+        if st.st_size > self.max_file_bytes:
+            return f"file is {st.st_size} bytes, over the limit of {self.max_file_bytes} (--max-file-size)"
+        return None
+
+    def report(self, relative: str, reason: str, context: str = "") -> None:
+        """Fail with ``reason`` or, in skip mode, list the file as skipped."""
+        shown = display_name(relative)
+        if self.on_error == "skip":
+            self.skipped.append(Skipped(shown, f"{context}{reason}"))
+            return
+        raise PackError(f"{context or display_name(str(self.root / relative)) + ': '}{reason}")
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")]
+    return next((what for test, what in kinds if test(mode)), "a special file")
+
+
+def scan_image_folder(root: Path, files: _FileCheck | None = None, exclude: str | os.PathLike | None = None) -> Plan:
     """Classes from the sorted sub-folder names, images from a sorted recursive walk of each."""
-    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
-    if not classes:
+    files = files or _FileCheck(root, "fail", DEFAULT_MAX_FILE_BYTES)
+    excluded = _identity(Path(exclude)) if exclude is not None else None
+    class_dirs = sorted(entry.name for entry in os.scandir(root)
+                        if entry.is_dir() and _identity(Path(entry.path)) != excluded)
+    if not class_dirs:
         raise PackError(f"{root}: no class sub-folders (an ImageFolder source holds one folder per class)")
+    seen = {_identity(root): "SRC itself"}
+    for name in reversed(class_dirs):
+        seen[_identity(root / name)] = name
     paths: list[str] = []
     labels: list[int] = []
-    for index, name in enumerate(classes):
-        for folder, _, files in sorted(os.walk(root / name, followlinks=True)):
-            relative = Path(folder).relative_to(root).as_posix()
-            for file_name in sorted(files):
+    count = 0
+    for index, name in enumerate(class_dirs):
+        for folder, names in _walk(root, name, seen, excluded, files):
+            for file_name in names:
                 if file_name.lower().endswith(IMAGE_EXTENSIONS):
-                    paths.append(f"{relative}/{file_name}")
+                    count += 1
+                    relative = f"{folder}/{file_name}"
+                    reason = files.problem(relative)
+                    if reason is not None:
+                        files.report(relative, reason)
+                        continue
+                    paths.append(relative)
                     labels.append(index)
-    return Plan("imagefolder", root, classes, paths, np.array(labels, dtype=np.int64), files=len(paths))
+    classes = [display_name(name) for name in class_dirs]
+    return Plan("imagefolder", root, classes, paths, np.array(labels, dtype=np.int64), files=count,
+                skipped=files.skipped)
 
 
-def scan_csv(root: Path, csv_path: Path, on_error: str) -> Plan:
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _walk(
+    root: Path, top: str, seen: dict[tuple[int, int] | None, str], excluded: tuple[int, int] | None,
+    files: _FileCheck,
+) -> list[tuple[str, list[str]]]:
+    """``(folder relative to root, sorted file names)`` for ``top`` and every folder under it (links
+    followed), in ``sorted(os.walk(...))`` order, as torchvision walks. A folder already scanned
+    (``seen``: by device and inode) is a loop or a second link: reported, not walked again."""
+    found = []
+    pending = [top]
+    while pending:
+        folder = pending.pop()
+        try:
+            entries = sorted(os.scandir(root / folder), key=lambda entry: entry.name)
+        except OSError as e:
+            files.report(folder, f"cannot list the folder ({e.strerror})")
+            continue
+        names = []
+        for entry in entries:
+            if not entry.is_dir():
+                names.append(entry.name)
+                continue
+            relative = f"{folder}/{entry.name}"
+            identity = _identity(Path(entry.path))
+            if identity == excluded:
+                continue
+            if identity in seen:
+                files.report(relative, f"folder already scanned as {display_name(seen[identity])!r} "
+                                       "(a symlink loop or a second link to it); not scanned again")
+                continue
+            seen[identity] = relative
+            pending.append(relative)
+        found.append((folder, names))
+    return sorted(found)
+
+
+def scan_csv(root: Path, csv_path: Path, files: _FileCheck | None = None, label_kind: str = "auto") -> Plan:
     """Rows of ``path,label`` naming files under ``root``; see the module docstring for the labels.
 
     Classes come from every row, so a skipped file never shifts the other labels.
     """
+    files = files or _FileCheck(root, "fail", DEFAULT_MAX_FILE_BYTES)
     rows = _read_rows(csv_path)
-    classes, all_ids = _label_ids([label for _, _, label in rows])
+    classes, all_ids = _label_ids(rows, csv_path, label_kind)
     paths: list[str] = []
     kept: list[int] = []
-    skipped: list[Skipped] = []
+    first_line: dict[str, int] = {}
     for row_index, (line, path, _) in enumerate(rows):
-        if not (root / path).is_file():
-            reason = f"{csv_path}, line {line}: no such file {path!r} under {root}"
-            if on_error == "skip":
-                skipped.append(Skipped(path, reason))
-                continue
-            raise PackError(reason)
+        context = f"{csv_path}, line {line}: "
+        key = os.path.normpath(path)
+        if key in first_line:
+            files.report(path, f"{path!r} is listed again (first on line {first_line[key]})", context)
+            continue
+        first_line[key] = line
+        reason = files.problem(path)
+        if reason == "no such file":
+            reason = f"no such file {path!r} under {root}"
+        if reason is not None:
+            files.report(path, reason if reason.startswith("no such") else f"{path!r}: {reason}", context)
+            continue
         paths.append(path)
         kept.append(row_index)
-    return Plan("csv", root, classes, paths, all_ids[kept], files=len(rows), skipped=skipped)
+    return Plan("csv", root, classes, paths, all_ids[kept], files=len(rows), skipped=files.skipped)
 
 
 def _read_rows(csv_path: Path) -> list[tuple[int, str, str]]:
     """``(line number, path, label)`` for each data row; malformed rows are errors naming the line."""
     try:
+        if not stat.S_ISREG(os.stat(csv_path).st_mode):
+            raise PackError(f"{csv_path}: the labels CSV is not a regular file")
         with open(csv_path, newline="", encoding="utf-8-sig") as f:
             reader = csv.reader(f)
             records = [(reader.line_num, row) for row in reader]
@@ -122,17 +266,38 @@ def _read_rows(csv_path: Path) -> list[tuple[int, str, str]]:
             raise PackError(f"{csv_path}, line {line}: empty path")
         if Path(path).is_absolute():
             raise PackError(f"{csv_path}, line {line}: path {path!r} is absolute; paths are relative to SRC")
+        if os.path.normpath(path).split(os.sep)[0] == "..":
+            raise PackError(f"{csv_path}, line {line}: path {path!r} leaves SRC; paths stay inside it")
         if not label:
             raise PackError(f"{csv_path}, line {line}: empty label for {path!r}")
         rows.append((line, path, label))
     return rows
 
 
-def _label_ids(names: list[str]) -> tuple[list[str], np.ndarray]:
+def _label_ids(rows: list[tuple[int, str, str]], csv_path: Path, label_kind: str) -> tuple[list[str], np.ndarray]:
     """Classes and int64 label ids: integers kept as they are, class names indexed in sorted order."""
-    if names and all(name.isdecimal() for name in names):
-        values = np.array([int(name) for name in names], dtype=np.int64)
-        return [str(i) for i in range(int(values.max()) + 1)], values
+    names = [label for _, _, label in rows]
+    is_index = [name.removeprefix("-").isdecimal() for name in names]  # a negative one is refused below
+    if label_kind == "auto" and any(is_index) and not all(is_index):
+        line, path, label = rows[is_index.index(False) if is_index[0] else is_index.index(True)]
+        raise PackError(
+            f"{csv_path}, line {line}: label {label!r} for {path!r} mixes class names with integer labels; "
+            "pass --label-kind index (integers only) or --label-kind name (every label a class name)"
+        )
+    if label_kind == "index" or (label_kind == "auto" and names and all(is_index)):
+        return _index_labels(rows, csv_path)
     classes = sorted(set(names))
     index = {name: i for i, name in enumerate(classes)}
     return classes, np.array([index[name] for name in names], dtype=np.int64)
+
+
+def _index_labels(rows: list[tuple[int, str, str]], csv_path: Path) -> tuple[list[str], np.ndarray]:
+    """Integer labels kept as they are; classes ``"0"..str(max)``, at most ``MAX_INDEX_CLASSES``."""
+    for line, path, label in rows:
+        if not label.isdecimal() or int(label) >= MAX_INDEX_CLASSES:
+            raise PackError(
+                f"{csv_path}, line {line}: label {label[:30]!r} for {path!r} is not an integer from 0 to "
+                f"{MAX_INDEX_CLASSES - 1} (integer labels index classes 0..max)"
+            )
+    values = np.array([int(label) for _, _, label in rows], dtype=np.int64)
+    return [str(i) for i in range(int(values.max()) + 1 if len(values) else 0)], values

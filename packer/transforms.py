@@ -33,6 +33,8 @@ Steps, in this order (recorded in the manifest's ``transform`` as ``steps``):
 from __future__ import annotations
 
 import io
+import os
+import stat
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,6 +49,9 @@ from reader.format import ENCODINGS
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own default for Image.MAX_IMAGE_PIXELS
+# Source files larger than this are refused: a photo is rarely over 100 MB, and a link to a huge file
+# would otherwise be read whole into memory.
+DEFAULT_MAX_FILE_BYTES = 1 << 30
 STEPS = ("open", "draft", "exif_transpose", "to_rgb", "resize", "center_crop", "encode")
 COLOUR_RULES = {
     "alpha": "RGBA, RGBa, LA, La, PA and images with a transparency key are composited onto white",
@@ -80,6 +85,7 @@ class TransformSpec:
     ``resize``: None, an int (shorter side to N, aspect kept) or ``(width, height)`` (exact size).
     ``crop``: None, an int (square) or ``(width, height)``: a center crop applied after the resize.
     ``max_pixels``: images larger than this are refused as decompression bombs.
+    ``max_file_bytes``: source files larger than this are refused before they are read.
     """
 
     resize: int | tuple[int, int] | None = None
@@ -87,6 +93,7 @@ class TransformSpec:
     encoding: str = "raw"
     quality: int = 90
     max_pixels: int = DEFAULT_MAX_PIXELS
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
     def __post_init__(self) -> None:
         _check_size("resize", self.resize)
@@ -97,6 +104,8 @@ class TransformSpec:
             raise ValueError(f"quality {self.quality} is not between 1 and 100")
         if self.max_pixels < 1:
             raise ValueError(f"max_pixels {self.max_pixels} must be positive")
+        if self.max_file_bytes < 1:
+            raise ValueError(f"max_file_bytes {self.max_file_bytes} must be positive")
 
     @property
     def crop_size(self) -> tuple[int, int] | None:
@@ -185,7 +194,7 @@ def load_image(path: str | Path, spec: TransformSpec) -> Image.Image:
     ``DecompressionBombWarning`` (as an error) or ``DecompressionBombError`` for an image larger than
     ``max_pixels``, and ``ValueError`` for a zero-size image; the caller turns these into file errors.
     """
-    data = Path(path).read_bytes()
+    data = read_source_file(path, spec.max_file_bytes)
     with _pixel_limit(spec.max_pixels), Image.open(io.BytesIO(data)) as img:
         width, height = img.size
         if width == 0 or height == 0:
@@ -202,6 +211,29 @@ def load_image(path: str | Path, spec: TransformSpec) -> Image.Image:
         if out.mode == "RGBX":
             return out.convert("RGB")
         return img.copy() if out is img else out
+
+
+class SourceFileError(OSError):
+    """A source file that is not one to read: not a regular file, or over the size limit."""
+
+
+def read_source_file(path: str | Path, max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most ``max_bytes``; anything else raises ``OSError``.
+
+    Opened without blocking and checked with ``fstat``: a FIFO or device put in place of an image
+    (even after the scan) is refused instead of blocking the pack or being read without end.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    with open(fd, "rb", closefd=True) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SourceFileError("not a regular file")
+        if st.st_size > max_bytes:
+            raise SourceFileError(f"file is {st.st_size} bytes, over the limit of {max_bytes} (--max-file-size)")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise SourceFileError(f"file grew past the limit of {max_bytes} bytes while it was read")
+    return data
 
 
 def _decode(img: Image.Image, data: bytes, draft: tuple[int, int] | None) -> Image.Image:

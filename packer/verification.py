@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,17 +21,21 @@ from PIL import Image
 from tqdm import tqdm
 
 from reader.format import (
+    FileIdentity,
     FormatError,
     Manifest,
+    ShardInfo,
     file_checksum,
     load_manifest,
     read_record_table,
     table_problems,
 )
-from reader.format.hdf5_shard import RECORDS_DATASET
+from reader.format.hdf5_shard import HDF5_ERRORS, RECORDS_DATASET, internal_dataset
 from reader.format.hdf5_shard import open_readonly as open_hdf5
+from reader.format.lmdb_shard import bounded_value, check_lmdb_meta, mapping_address, record_key
 from reader.format.lmdb_shard import open_readonly as open_lmdb
-from reader.format.lmdb_shard import record_key
+from reader.format.records import OUTSIDE_THE_FILE
+from reader.format.shard_files import checked_shard, describe_file_type, fd_path, open_checked
 
 MAX_PROBLEMS_PER_CHECK = 5
 
@@ -69,88 +74,135 @@ def verify(path: str | os.PathLike, deep: bool = False, progress: bool = True) -
 
 def _check_files(
     root: Path, manifest: Manifest, report: VerifyReport, progress: bool
-) -> dict[int, np.ndarray]:
-    """Checksums, sizes and record tables of every shard; returns the tables that could be read."""
-    tables: dict[int, np.ndarray] = {}
-    present = [(root / s.file).is_file() for s in manifest.shards]
-    total = sum((root / s.file).stat().st_size for s, ok in zip(manifest.shards, present) if ok)
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Checksums, sizes and record tables of every shard; returns the tables that could be read, each
+    with the mask of its rows inside the file.
+
+    A shard that is missing, not a regular file (a symlink, FIFO or device is never opened) or not of
+    the manifest's size (LMDB would map missing pages) is reported and read no further.
+    """
+    tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    present = {number: st for number, shard in enumerate(manifest.shards)
+               if (st := _shard_stat(root, shard, report)) is not None}
+    total = sum(st.st_size for st in present.values())
     with tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="checksums") as bar:
-        for number, (shard, exists) in enumerate(zip(manifest.shards, present)):
+        for number, st in present.items():
+            shard = manifest.shards[number]
             path = root / shard.file
-            if not exists:
-                report.problems.append(f"{shard.file}: missing (the manifest lists it)")
-                continue
-            size = path.stat().st_size
-            report.bytes += size
-            if size != shard.bytes:
-                report.problems.append(f"{shard.file}: {size} bytes, the manifest says {shard.bytes}")
-            if file_checksum(path, progress=bar.update) != shard.checksum:
-                report.problems.append(f"{shard.file}: checksum mismatch (the file is corrupt or changed)")
             try:
-                table = read_record_table(manifest.storage, path)
+                fd = open_checked(path, FileIdentity.of(st))
+            except FormatError as e:
+                report.problems.append(f"{shard.file}: {e}")
+                continue
+            try:
+                opened = fd_path(fd)
+                if file_checksum(opened, progress=bar.update) != shard.checksum:
+                    report.problems.append(f"{shard.file}: checksum mismatch (the file is corrupt or changed)")
+                table = read_record_table(manifest.storage, opened, shard.records, shown=path)
             except FormatError as e:
                 report.problems.append(f"{shard.file}: record table unreadable ({e})")
                 continue
-            if len(table) != shard.records:
-                report.problems.append(
-                    f"{shard.file}: record table has {len(table)} rows, the manifest says {shard.records}"
-                )
-            _check_table(shard.file, table, size, manifest, report)
-            tables[number] = table
+            finally:
+                os.close(fd)
+            tables[number] = (table, _check_table(shard.file, table, st.st_size, manifest, report))
             report.records += len(table)
     return tables
 
 
-def _check_table(name: str, table: np.ndarray, size: int, manifest: Manifest, report: VerifyReport) -> None:
-    """Row-level sanity of one record table: labels, payload bounds, raw sizes, fixed shape."""
+def _shard_stat(root: Path, shard: ShardInfo, report: VerifyReport) -> os.stat_result | None:
+    """The shard's ``lstat`` when it is a regular file of the manifest's size; else a reported problem."""
+    try:
+        st = os.lstat(root / shard.file)
+    except FileNotFoundError:
+        report.problems.append(f"{shard.file}: missing (the manifest lists it)")
+        return None
+    except OSError as e:
+        report.problems.append(f"{shard.file}: cannot stat the file ({e.strerror})")
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        report.problems.append(f"{shard.file}: {describe_file_type(st.st_mode)}, not a regular file (not opened)")
+        return None
+    report.bytes += st.st_size
+    if st.st_size != shard.bytes:
+        report.problems.append(f"{shard.file}: {st.st_size} bytes, the manifest says {shard.bytes} "
+                               "(truncated or changed; not read further)")
+        return None
+    return st
+
+
+def _check_table(
+    name: str, table: np.ndarray, size: int, manifest: Manifest, report: VerifyReport
+) -> np.ndarray:
+    """Row-level sanity of one record table (labels, payload bounds, raw sizes, fixed shape); returns
+    which rows are worth reading back (those inside the file)."""
     problems = table_problems(table, len(manifest.classes), manifest.encoding, manifest.shape, size)
+    readable = np.ones(len(table), dtype=bool)
     for what, indices in problems:
         _report_records(name, indices, what, report)
+        if what == OUTSIDE_THE_FILE:
+            readable[indices] = False
+    return readable
 
 
 def _read_back(
-    root: Path, manifest: Manifest, tables: dict[int, np.ndarray], report: VerifyReport, progress: bool
+    root: Path, manifest: Manifest, tables: dict[int, tuple[np.ndarray, np.ndarray]], report: VerifyReport,
+    progress: bool,
 ) -> None:
     """Every record through the container API, compared with the bytes at its offset, then decoded."""
-    total = sum(len(t) for t in tables.values())
+    total = sum(len(table) for table, _ in tables.values())
     with tqdm(total=total, unit="rec", disable=not progress, desc="records") as bar:
-        for number, table in tables.items():
-            name = manifest.shards[number].file
-            path = root / name
+        for number, (table, readable) in tables.items():
+            shard = manifest.shards[number]
+            path = root / shard.file
             bad: dict[str, list[int]] = {}
             try:
-                with open(path, "rb") as f:
-                    for index, payload in enumerate(_container_records(manifest.storage, path, table)):
+                with checked_shard(root, shard) as (fd, identity):
+                    records = _container_records(manifest.storage, fd_path(fd), identity.size, path, table)
+                    for index, payload in enumerate(records):
+                        bar.update()
+                        if not readable[index]:
+                            continue
                         row = table[index]
-                        at_offset = os.pread(f.fileno(), int(row["nbytes"]), int(row["offset"]))
+                        at_offset = os.pread(fd, int(row["nbytes"]), int(row["offset"]))
                         problem = _record_problem(payload, at_offset, row, manifest.encoding)
                         if problem:
                             bad.setdefault(problem, []).append(index)
-                        bar.update()
-            except (OSError, lmdb.Error) as e:
-                report.problems.append(f"{name}: the {manifest.storage} container cannot be read back ({e})")
+            except (OSError, lmdb.Error, FormatError) as e:
+                report.problems.append(f"{shard.file}: the {manifest.storage} container cannot be read back ({e})")
                 continue
             for problem, indices in bad.items():
-                _report_records(name, np.array(indices), problem, report)
+                _report_records(shard.file, np.array(indices), problem, report)
 
 
-def _container_records(storage: str, path: Path, table: np.ndarray) -> Iterator[bytes | None]:
-    """Each record's payload as the container's own API returns it (None when it is absent)."""
+def _container_records(
+    storage: str, opened: str, file_size: int, shown: Path, table: np.ndarray
+) -> Iterator[bytes | None]:
+    """Each record's payload as the container's own API returns it (None when it is absent), never
+    copying bytes from past the file's end (``bounded_value``) nor from other files (``internal_dataset``)."""
     if storage == "lmdb":
-        env = open_lmdb(path)
+        check_lmdb_meta(opened, file_size, shown)
+        env = open_lmdb(Path(opened))
         try:
-            with env.begin() as txn:
+            map_address = mapping_address(Path(opened))
+            with env.begin(buffers=True) as txn:
                 for index in range(len(table)):
-                    yield txn.get(record_key(index))
+                    view = txn.get(record_key(index))
+                    yield None if view is None else bounded_value(
+                        view, map_address, file_size, shown, f"record {index}")
         finally:
             env.close()
         return
-    with open_hdf5(path) as f:
-        records = f[RECORDS_DATASET]
-        start = 0
-        for nbytes in table["nbytes"].tolist():
-            yield records[start : start + nbytes].tobytes()
-            start += nbytes
+    try:
+        with open_hdf5(Path(opened)) as f:
+            records = internal_dataset(f, RECORDS_DATASET, shown)
+            start = 0
+            for nbytes in table["nbytes"].tolist():
+                yield records[start : start + nbytes].tobytes() if start + nbytes <= records.shape[0] else None
+                start += nbytes
+    except HDF5_ERRORS as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"{shown}: the HDF5 shard is damaged ({e})") from None
 
 
 def _record_problem(payload: bytes | None, at_offset: bytes, row: np.void, encoding: str) -> str | None:

@@ -33,19 +33,17 @@ from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode import decode_jpeg_into
 from reader.decode_threads import DecodeThreads
 from reader.format import (
-    ENCODINGS,
-    STORAGES,
     FormatError,
     Manifest,
     load_manifest,
-    read_record_table,
-    table_problems,
+    load_shard_table,
 )
 from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
 
 
 Images = torch.Tensor | list[torch.Tensor]
 Allocator = Callable[[tuple[int, ...]], torch.Tensor]
+VERIFY_LEVELS = ("tables", "full")
 
 
 class PackedDataset(Dataset):
@@ -68,6 +66,12 @@ class PackedDataset(Dataset):
     seeking for every few records: what makes quasi-random order run at disk bandwidth on an HDD or
     NFS. Cached batches pay nothing for it, and a scattered batch (random order over more than 32
     blocks) reads only its own records.
+
+    The dataset is untrusted input: opening it checks every shard's name, type and size and its record
+    table (``reader.format.load_shard_table``), and reads refuse a shard replaced since (a
+    ``FormatError`` naming the file). ``verify="full"`` also checksums every shard against the
+    manifest at open (reading the whole dataset once, like ``packer verify``), so that no damaged
+    payload byte is ever served; the default ``"tables"`` adds about 0.2 ms per shard to the open.
     """
 
     def __init__(
@@ -78,28 +82,25 @@ class PackedDataset(Dataset):
         max_gap: int = DEFAULT_MAX_GAP,
         readahead_bytes: int = DEFAULT_BLOCK_BYTES,
         decode_threads: int = 1,
+        verify: str = "tables",
     ) -> None:
         if readahead_bytes < 0:
             raise ValueError(f"readahead_bytes must be 0 (off) or positive, got {readahead_bytes}")
+        if verify not in VERIFY_LEVELS:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, got {verify!r}")
         self.path = Path(path)
         self.readahead_bytes = readahead_bytes
         self.manifest: Manifest = load_manifest(self.path)
         self.fast_decode = fast_decode
         self.decode_threads = DecodeThreads(decode_threads)
-        _check_manifest(self.manifest, self.path)
-        counts, tables = [], []
+        counts, tables, identities = [], [], []
         for shard in self.manifest.shards:
-            table = read_record_table(self.manifest.storage, self.path / shard.file)
-            if len(table) != shard.records:
-                raise FormatError(f"{self.path / shard.file}: record table has {len(table)} rows, "
-                                  f"the manifest says {shard.records}")
-            problems = table_problems(table, len(self.manifest.classes), self.manifest.encoding,
-                                      self.manifest.shape)
-            if problems:
-                what, rows = problems[0]
-                raise FormatError(f"{self.path / shard.file}: record {rows[0]}: {what}")
+            identity, table = load_shard_table(self.path, self.manifest.storage, shard, len(self.classes),
+                                               self.manifest.encoding, self.manifest.shape,
+                                               checksum=verify == "full")
             counts.append(len(table))
             tables.append(table)
+            identities.append(identity)
         self._shard_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         columns = {name: np.concatenate([t[name] for t in tables]).astype(np.int64)
                    if tables else np.zeros(0, np.int64)
@@ -114,7 +115,8 @@ class PackedDataset(Dataset):
             size = block_size(self.manifest.shards, readahead_bytes)
             block_bounds = [blocks.block_bounds(table["offset"], shard, size)
                             for table, shard in zip(tables, self.manifest.shards)]
-        self._files = ShardFiles([self.path / s.file for s in self.manifest.shards], max_gap, block_bounds)
+        self._files = ShardFiles([self.path / s.file for s in self.manifest.shards], identities, max_gap,
+                                 block_bounds)
         self._scratch = bytearray(0)
 
     def __getstate__(self) -> dict:
@@ -260,16 +262,6 @@ class PackedDataset(Dataset):
                 destinations=[destinations[k] for k in members.tolist()],
                 records=records,
             ))
-
-
-def _check_manifest(manifest: Manifest, path: Path) -> None:
-    origin = path / "manifest.json"
-    if manifest.storage not in STORAGES:
-        raise FormatError(f"{origin}: unknown storage {manifest.storage!r}")
-    if manifest.encoding not in ENCODINGS:
-        raise FormatError(f"{origin}: unknown encoding {manifest.encoding!r}")
-    if manifest.shape is not None and (len(manifest.shape) != 3 or manifest.shape[0] != 3):
-        raise FormatError(f"{origin}: shape {manifest.shape} is not [3, H, W]")
 
 
 def _private_batch(shape: tuple[int, ...]) -> torch.Tensor:

@@ -28,7 +28,11 @@ recently, so the many batches drawing from one window advise each block once, an
 a dataset that the page cache holds advises nothing.
 
 File descriptors are opened lazily and belong to the process that opened them: after a ``fork`` the
-child opens its own, and a pickled reader (``spawn``) carries only the paths and block boundaries.
+child opens its own, and a pickled reader (``spawn``) carries only the paths, block boundaries and the
+shard files' identities (``reader.format.FileIdentity``, recorded when the dataset was opened).
+Every open checks that the file is still that version, and every read of a shard an ``fstat`` of its
+descriptor (about a microsecond), so a shard replaced or rewritten under a running job raises
+``FormatError`` instead of serving other records against the old record table.
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ from typing import Iterator
 
 import numpy as np
 
-from reader.format import FormatError
+from reader.format import FileIdentity, FormatError
+from reader.format.shard_files import check_identity, open_checked
 from reader.mapped_copy import MappedFile
 
 IOV_MAX = os.sysconf("SC_IOV_MAX")
@@ -99,14 +104,18 @@ class _Run:
 class ShardFiles:
     """Read-only descriptors on a dataset's shard files, opened on first use in each process.
 
+    ``identities[s]`` is what shard file ``s`` was when the dataset was opened (see the module doc).
+
     ``block_bounds[s]`` (optional) cuts shard file ``s`` into read-ahead blocks: the sorted byte
     offsets where blocks start, then the file's end. Without it, only the requested records are read.
     """
 
     def __init__(
-        self, paths: list[Path], max_gap: int = DEFAULT_MAX_GAP, block_bounds: list[np.ndarray] | None = None
+        self, paths: list[Path], identities: list[FileIdentity], max_gap: int = DEFAULT_MAX_GAP,
+        block_bounds: list[np.ndarray] | None = None,
     ) -> None:
         self.paths = [Path(p) for p in paths]
+        self.identities = identities
         self.max_gap = max_gap
         self.block_bounds = block_bounds
         self._pid: int | None = None
@@ -119,10 +128,11 @@ class ShardFiles:
         self._gap = memoryview(bytearray(0))
 
     def __getstate__(self) -> dict:
-        return {"paths": self.paths, "max_gap": self.max_gap, "block_bounds": self.block_bounds}
+        return {"paths": self.paths, "max_gap": self.max_gap, "block_bounds": self.block_bounds,
+                "identities": self.identities}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["paths"], state["max_gap"], state["block_bounds"])
+        self.__init__(state["paths"], state["identities"], state["max_gap"], state["block_bounds"])
 
     def __del__(self) -> None:
         self.close()
@@ -143,12 +153,9 @@ class ShardFiles:
             self._gap = memoryview(bytearray(self.max_gap))
         fd = self._fds.get(shard)
         if fd is None:
-            path = self.paths[shard]
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as e:
-                raise OSError(e.errno, f"cannot open shard file: {e.strerror}", str(path)) from None
-            self._fds[shard] = fd
+            fd = self._fds[shard] = open_checked(self.paths[shard], self.identities[shard])
+        else:
+            check_identity(self.paths[shard], fd, self.identities[shard])
         return fd
 
     def read(self, shard: int, request: ReadRequest) -> None:

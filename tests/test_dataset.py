@@ -144,23 +144,29 @@ def test_out_of_range_index(packed):
         ds[1.5]
 
 
-def test_truncated_shard_names_file_and_record(tmp_path, images):
+def test_shard_truncated_after_open_is_noticed(tmp_path, images):
     packed = pack_images(tmp_path / "packed", images, labels_for(COUNT), storage="hdf5",
                          encoding="raw", records_per_shard=10)
     ds = PackedDataset(packed.path)
     assert shard_bounds(ds)[:3] == [0, 10, 20]
-    os.truncate(packed.path / "shard-00001.h5", int(ds._offsets[15]) + 10)
     ds[10]
-    with pytest.raises(FormatError, match=r"shard-00001\.h5.*record 15"):
-        ds.read_batch([10, 15])
+    os.truncate(packed.path / "shard-00001.h5", int(ds._offsets[15]) + 10)
+    ds[0]
+    with pytest.raises(FormatError, match=r"shard-00001\.h5: shard file was replaced or changed since"):
+        ds[10]
+    with pytest.raises(FormatError, match=r"shard-00001\.h5: shard file is \d+ bytes, the manifest says"):
+        PackedDataset(packed.path)
 
 
 def test_corrupt_jpeg_names_file_and_record(tmp_path, images):
     packed = pack_one_shard(tmp_path, images, "hdf5", "jpeg")
     ds = PackedDataset(packed.path)
-    with open(packed.path / "shard-00000.h5", "r+b") as f:
+    shard = packed.path / "shard-00000.h5"
+    before = shard.stat()
+    with open(shard, "r+b") as f:  # bit rot: same size, same modification time
         f.seek(int(ds._offsets[4]))
         f.write(b"\0" * 64)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
     with pytest.raises(FormatError, match=r"shard-00000\.h5: record 4 .*not a valid JPEG"):
         ds[4]
 

@@ -3,7 +3,6 @@ ConcatDataset and a user's wrapper; make_loader over Subset and ConcatDataset, k
 reader.split; the loader's batch_sampler walked directly."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -6,6 +6,7 @@ the same records give the same bytes.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import h5py
@@ -18,6 +19,9 @@ from reader.format.shards import ShardWriter
 RECORDS_DATASET = "records"
 TABLE_DATASET = "table"
 _COPY_CHUNK = 64 << 20
+# What h5py raises for a damaged file, depending on where HDF5 notices (an object header, a dataspace,
+# a B-tree...): each becomes one FormatError naming the shard.
+HDF5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)
 
 
 def open_readonly(path: Path) -> h5py.File:
@@ -66,14 +70,47 @@ class Hdf5ShardWriter(ShardWriter):
             self._file = None
 
 
-def read_hdf5_table(path: Path) -> np.ndarray:
+def internal_dataset(f: h5py.File, name: str, shown: object) -> h5py.Dataset:
+    """The dataset ``/name`` of an open shard, refused unless it lives wholly inside this file.
+
+    An HDF5 file can make ``/name`` an external or soft link, keep a dataset's bytes in other files
+    (external raw storage) or assemble it from other files (a virtual dataset): a shared dataset
+    would then read whatever files its author chose. Only a hard-linked dataset stored in the file
+    itself is accepted.
+    """
+    link = f.get(name, getlink=True)
+    if link is None:
+        raise FormatError(f"{shown}: HDF5 shard has no /{name} dataset")
+    if not isinstance(link, h5py.HardLink):
+        raise FormatError(f"{shown}: /{name} is {type(link).__name__.lower()}, not a dataset stored in "
+                          "this file; links to other files are refused")
+    dataset = f[name]
+    if not isinstance(dataset, h5py.Dataset):
+        raise FormatError(f"{shown}: /{name} is not a dataset")
+    if dataset.is_virtual:
+        raise FormatError(f"{shown}: /{name} is a virtual dataset (built from other files); refused")
+    if dataset.external:
+        raise FormatError(f"{shown}: /{name} keeps its data in external files; refused")
+    return dataset
+
+
+def read_hdf5_table(path: str | Path, shown: Path, records: int | None = None) -> np.ndarray:
+    """The record table of the HDF5 shard at ``path`` (named ``shown`` in errors), checked for links
+    and external storage, its dtype, ``records`` rows and a size the file can hold (a compressed
+    table claiming a billion rows would otherwise be inflated into memory) before it is read."""
     try:
-        with open_readonly(path) as f:
-            if TABLE_DATASET not in f:
-                raise FormatError(f"{path}: HDF5 shard has no /{TABLE_DATASET} dataset")
-            table = f[TABLE_DATASET][()]
-    except OSError as e:
-        raise FormatError(f"{path}: cannot be opened as an HDF5 shard ({e})") from None
-    if table.dtype != RECORD_TABLE_DTYPE:
-        raise FormatError(f"{path}: record table has dtype {table.dtype}, expected {RECORD_TABLE_DTYPE}")
-    return table
+        with open_readonly(Path(path)) as f:
+            table = internal_dataset(f, TABLE_DATASET, shown)
+            if table.dtype != RECORD_TABLE_DTYPE or len(table.shape) != 1:
+                raise FormatError(f"{shown}: record table has dtype {table.dtype} and shape {table.shape}, "
+                                  f"expected {RECORD_TABLE_DTYPE} rows")
+            if records is not None and table.shape[0] != records:
+                raise FormatError(f"{shown}: record table has {table.shape[0]} rows, the manifest says {records}")
+            if table.shape[0] * RECORD_TABLE_DTYPE.itemsize > os.stat(path).st_size:
+                raise FormatError(f"{shown}: record table claims {table.shape[0]} rows, more than the file "
+                                  "can hold uncompressed; refused")
+            return table[()]
+    except HDF5_ERRORS as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"{shown}: cannot be read as an HDF5 shard ({e})") from None

@@ -8,20 +8,31 @@ own commit follows (large payloads never move; a copied leaf page is never overw
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
+import struct
 from pathlib import Path
 
 import lmdb
 import numpy as np
 
 from reader.format.manifest import FormatError
-from reader.format.records import RECORD_TABLE_DTYPE
+from reader.format.records import parse_npy_table
 from reader.format.shards import ShardWriter
 
 TABLE_KEY = b"~table"
 _COMMIT_BYTES = 64 << 20
 _INITIAL_MAP_SIZE = 1 << 30
+# Where LMDB's two meta pages keep what ``check_lmdb_meta`` reads (liblmdb 0.9, 64-bit): each page is a
+# 16-byte page header, then MDB_meta: magic, version, address, map size, two 48-byte MDB_db records
+# (the first one's md_pad is the page size), the last page number and the transaction id.
+_LMDB_MAGIC = 0xBEEFC0DE
+_LMDB_DATA_VERSION = 1
+_MAGIC_AT = 16
+_PAGE_SIZE_AT = 40
+_LAST_PAGE_AT = 136
+_META_END = 152
 
 
 def record_key(index: int) -> bytes:
@@ -69,7 +80,7 @@ class LmdbShardWriter(ShardWriter):
     def _finish_payloads(self, table: np.ndarray) -> np.ndarray:
         self._commit()
         offsets = np.empty(len(table), dtype=np.uint64)
-        map_addr = _mapping_address(self.tmp_path)
+        map_addr = mapping_address(self.tmp_path)
         with self._env.begin(buffers=True) as txn:
             for i in range(len(table)):
                 view = txn.get(record_key(i))
@@ -89,13 +100,18 @@ class LmdbShardWriter(ShardWriter):
         self._env.sync(True)
         self._close()
 
+    def _as_os_error(self, error: Exception) -> OSError | None:
+        if not isinstance(error, lmdb.Error):
+            return None
+        return OSError(errno.EIO, f"LMDB write failed ({error})", str(self.tmp_path))
+
     def _close(self) -> None:
         if self._env is not None:
             self._env.close()
             self._env = None
 
 
-def _mapping_address(path: Path) -> int:
+def mapping_address(path: Path) -> int:
     """Where LMDB mapped ``path`` in this process (py-lmdb does not report it; Linux tells)."""
     inode = os.stat(path).st_ino
     with open("/proc/self/maps") as maps:
@@ -106,19 +122,69 @@ def _mapping_address(path: Path) -> int:
     raise RuntimeError(f"{path}: LMDB mapping not found in /proc/self/maps")
 
 
-def read_lmdb_table(path: Path) -> np.ndarray:
+def check_lmdb_meta(path: str | Path, file_size: int, shown: Path) -> None:
+    """Refuse an LMDB file whose meta pages promise more pages than the file holds (or are not LMDB).
+
+    LMDB maps the file and trusts its meta page: a truncated file, or one whose meta names a last
+    page past the end, makes the first touch of a missing page a ``SIGBUS`` that kills the process.
+    LMDB itself only looks pages up below the last page of the meta it picks (the one with the
+    higher transaction id), so checking both metas against the file size keeps every page access
+    inside the file. ``path`` is opened without following links or blocking (it may be
+    ``/proc/self/fd/N`` of a checked file).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        env = open_readonly(path)
+        first = os.pread(fd, _META_END, 0)
+        page_size = struct.unpack_from("<I", first, _PAGE_SIZE_AT)[0] if len(first) == _META_END else 0
+        second = os.pread(fd, _META_END, page_size) if page_size else b""
+    finally:
+        os.close(fd)
+    for number, page in enumerate((first, second)):
+        if len(page) < _META_END:
+            raise FormatError(f"{shown}: not an LMDB shard (too short for its meta pages)")
+        magic, version = struct.unpack_from("<II", page, _MAGIC_AT)
+        if magic != _LMDB_MAGIC or version != _LMDB_DATA_VERSION:
+            raise FormatError(f"{shown}: not an LMDB shard (meta page {number} is damaged)")
+        last_page = struct.unpack_from("<Q", page, _LAST_PAGE_AT)[0]
+        if page_size < 512 or page_size & (page_size - 1) or (last_page + 1) * page_size > file_size:
+            raise FormatError(
+                f"{shown}: LMDB meta page {number} describes {last_page + 1} pages of {page_size} bytes "
+                f"but the file has {file_size} bytes (truncated or damaged)"
+            )
+
+
+def bounded_value(view: memoryview, map_address: int, file_size: int, shown: Path, what: str) -> bytes:
+    """Copy an LMDB value (a zero-copy view into the map) only when it lies inside the file.
+
+    A damaged node can claim a value longer than the file: copying it would touch pages past the end
+    (``SIGBUS``). ``map_address`` is where the map starts (``mapping_address``).
+    """
+    start = np.frombuffer(view, dtype=np.uint8).ctypes.data - map_address if len(view) else 0
+    if start < 0 or start + len(view) > file_size:
+        raise FormatError(f"{shown}: {what} lies outside the file ({len(view)} bytes at offset {start}); "
+                          "the LMDB shard is damaged")
+    return bytes(view)
+
+
+def read_lmdb_table(path: str | Path, shown: Path, records: int | None = None) -> np.ndarray:
+    """The record table of the LMDB shard at ``path`` (named ``shown`` in errors), checked before
+    anything is mapped or allocated: meta pages inside the file, the value inside the file, an
+    ``.npy`` header of the record-table dtype and ``records`` rows."""
+    file_size = os.stat(path).st_size
+    check_lmdb_meta(path, file_size, shown)
+    try:
+        env = open_readonly(Path(path))
     except lmdb.Error as e:
-        raise FormatError(f"{path}: cannot be opened as an LMDB shard ({e})") from None
+        raise FormatError(f"{shown}: cannot be opened as an LMDB shard ({e})") from None
     try:
-        with env.begin() as txn:
-            blob = txn.get(TABLE_KEY)
+        map_address = mapping_address(Path(path))
+        with env.begin(buffers=True) as txn:
+            view = txn.get(TABLE_KEY)
+            blob = None if view is None else bounded_value(view, map_address, file_size, shown, "record table")
+    except lmdb.Error as e:
+        raise FormatError(f"{shown}: the LMDB shard is damaged ({e})") from None
     finally:
         env.close()
     if blob is None:
-        raise FormatError(f"{path}: LMDB shard has no record table (key {TABLE_KEY!r})")
-    table = np.load(io.BytesIO(blob), allow_pickle=False)
-    if table.dtype != RECORD_TABLE_DTYPE:
-        raise FormatError(f"{path}: record table has dtype {table.dtype}, expected {RECORD_TABLE_DTYPE}")
-    return table
+        raise FormatError(f"{shown}: LMDB shard has no record table (key {TABLE_KEY!r})")
+    return parse_npy_table(blob, shown, records)

@@ -4,21 +4,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import xxhash
 
+from reader.format.errors import FormatError
+from reader.format.manifest_schema import check_manifest_data
+
 FORMAT_NAME = "packed-images"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
-
-
-class FormatError(ValueError):
-    """A dataset directory, manifest or shard does not match the format (the message names the file)."""
+# A manifest larger than this is refused before it is read: a million skipped files listed with their
+# reasons take about 150 MB.
+MAX_MANIFEST_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -70,25 +73,26 @@ class Manifest:
         return json.dumps(data, indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, origin: str = MANIFEST_NAME) -> Manifest:
+    def from_json(cls, text: str | bytes, origin: str = MANIFEST_NAME) -> Manifest:
+        """Parse and check a manifest; anything that is not one raises ``FormatError`` naming ``origin``."""
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except UnicodeDecodeError as e:
+            raise FormatError(f"{origin}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, an integer too long to convert
             raise FormatError(f"{origin}: not valid JSON ({e})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise FormatError(f"{origin}: not a {FORMAT_NAME} manifest")
-        if data.get("format_version") != FORMAT_VERSION:
+        if data.get("format_version") != FORMAT_VERSION or isinstance(data.get("format_version"), bool):
             raise FormatError(
-                f"{origin}: format version {data.get('format_version')} is not supported "
+                f"{origin}: format version {str(data.get('format_version'))[:20]} is not supported "
                 f"(this reader reads version {FORMAT_VERSION})"
             )
         data.pop("class_to_idx", None)
         data.pop("num_records", None)
-        try:
-            data["shards"] = [ShardInfo(**s) for s in data["shards"]]
-            return cls(**data)
-        except (KeyError, TypeError) as e:
-            raise FormatError(f"{origin}: malformed manifest ({e})") from None
+        check_manifest_data(data, origin)
+        data["shards"] = [ShardInfo(**s) for s in data["shards"]]
+        return cls(**data)
 
     def write(self, directory: Path) -> Path:
         """Write the manifest atomically (temporary name, fsync, rename): the dataset's commit point."""
@@ -98,14 +102,31 @@ class Manifest:
 
 
 def load_manifest(directory: str | os.PathLike) -> Manifest:
-    """Read ``directory/manifest.json``; a missing one means the directory is not a finished dataset."""
+    """Read ``directory/manifest.json``; a missing one means the directory is not a finished dataset.
+
+    The manifest must be a regular file of at most ``MAX_MANIFEST_BYTES`` (it is opened without
+    blocking, so a FIFO in its place is refused rather than waited on).
+    """
     path = Path(directory) / MANIFEST_NAME
-    if not path.is_file():
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
+        fd = None
+    except OSError as e:
+        raise FormatError(f"{path}: cannot be opened ({e.strerror})") from None
+    if fd is None:
         raise FormatError(
             f"{directory}: no {MANIFEST_NAME}, so this is not a finished packed dataset "
             "(never packed, or a pack that did not complete)"
         )
-    return Manifest.from_json(path.read_text(), origin=str(path))
+    with open(fd, "rb", closefd=True) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path}: not a regular file")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise FormatError(f"{path}: {st.st_size} bytes, more than any manifest ({MAX_MANIFEST_BYTES})")
+        text = f.read(MAX_MANIFEST_BYTES + 1)
+    return Manifest.from_json(text, origin=str(path))
 
 
 def file_checksum(path: str | os.PathLike, progress: Callable[[int], object] | None = None) -> str:
@@ -133,9 +154,13 @@ def fsync_directory(directory: Path) -> None:
 def write_file_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves either the old file or the whole new one."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(tmp)) from None
     os.replace(tmp, path)
     fsync_directory(path.parent)

@@ -1,7 +1,11 @@
 """What one record is: its payload encodings, the per-shard record table, and shard file names."""
 from __future__ import annotations
 
+import io
+
 import numpy as np
+
+from reader.format.errors import FormatError
 
 STORAGES = ("lmdb", "hdf5")
 ENCODINGS = ("raw", "jpeg")
@@ -12,6 +16,12 @@ ENCODINGS = ("raw", "jpeg")
 RECORD_TABLE_DTYPE = np.dtype(
     [("offset", "<u8"), ("nbytes", "<u8"), ("label", "<i8"), ("height", "<u4"), ("width", "<u4")]
 )
+
+# The largest height or width a record may have: far beyond any image (JPEG stops at 65,535), and small
+# enough that 3*H*W cannot overflow 64 bits.
+MAX_SIDE = 1 << 20
+
+OUTSIDE_THE_FILE = "payload lies outside the file"
 
 _SHARD_SUFFIX = {"lmdb": ".lmdb", "hdf5": ".h5"}
 
@@ -35,17 +45,61 @@ def table_problems(
 ) -> list[tuple[str, np.ndarray]]:
     """What is wrong with a shard's record table, as ``(what, indices of the bad rows)`` pairs.
 
-    Labels must index a class, raw payloads be ``3*H*W`` bytes, every record have the manifest's fixed
-    ``shape`` when it has one, and (given ``file_size``) every payload lie inside the file.
+    Labels must index a class, heights and widths be 1 to ``MAX_SIDE``, raw payloads be ``3*H*W``
+    bytes, every record have the manifest's fixed ``shape`` when it has one, and (given ``file_size``)
+    every payload lie inside the file without overlapping another. All vectorised: cheap enough to
+    run on every open of a dataset (3.5 ms per 100,000 records in file order, 13 ms shuffled).
     """
-    checks = [("label is not a class index", (table["label"] < 0) | (table["label"] >= num_classes))]
+    height, width = table["height"].astype(np.uint64), table["width"].astype(np.uint64)
+    checks = [
+        ("label is not a class index", (table["label"] < 0) | (table["label"] >= num_classes)),
+        (f"height or width is 0 or over {MAX_SIDE}", (height < 1) | (width < 1) | (height > MAX_SIDE)
+         | (width > MAX_SIDE)),
+    ]
     if file_size is not None:
-        checks.append(("payload lies outside the file", table["offset"] + table["nbytes"] > file_size))
+        offset, nbytes = table["offset"], table["nbytes"]
+        size = np.uint64(file_size)
+        checks.append((OUTSIDE_THE_FILE, (offset > size) | (nbytes > size - np.minimum(offset, size))))
+        checks.append(("payload overlaps another record's", _overlapping(offset, nbytes)))
     if encoding == "raw":
-        expected = raw_payload_nbytes(table["height"].astype(np.uint64), table["width"].astype(np.uint64))
+        expected = raw_payload_nbytes(np.minimum(height, MAX_SIDE), np.minimum(width, MAX_SIDE))
         checks.append(("raw payload is not 3*H*W bytes", table["nbytes"] != expected))
     if shape is not None:
-        _, height, width = shape
-        wrong_size = (table["height"] != height) | (table["width"] != width)
-        checks.append((f"size is not the manifest's {height}x{width}", wrong_size))
+        _, fixed_height, fixed_width = shape
+        wrong_size = (table["height"] != fixed_height) | (table["width"] != fixed_width)
+        checks.append((f"size is not the manifest's {fixed_height}x{fixed_width}", wrong_size))
     return [(what, np.flatnonzero(bad)) for what, bad in checks if bad.any()]
+
+
+def _overlapping(offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Rows whose payload starts before the previous payload (in file order) ends."""
+    order = np.argsort(offset, kind="stable")
+    starts = offset[order]
+    ends = starts + nbytes[order]
+    bad = np.zeros(len(offset), dtype=bool)
+    bad[order[1:]] = starts[1:] < ends[:-1]
+    return bad
+
+
+def parse_npy_table(blob: bytes, shown: object, records: int | None = None) -> np.ndarray:
+    """A record table from ``.npy`` bytes, refused with ``FormatError`` (naming ``shown``) unless the
+    header says the record-table dtype, one dimension (of ``records`` rows when given) and exactly
+    the bytes that follow: a damaged header never allocates what it claims nor raises a parser's
+    own error."""
+    stream = io.BytesIO(blob)
+    try:
+        version = np.lib.format.read_magic(stream)
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                       (2, 0): np.lib.format.read_array_header_2_0}[version]
+        shape, fortran, dtype = read_header(stream)
+    except Exception as e:  # numpy raises ValueError, SyntaxError, TokenError... for a bad header
+        raise FormatError(f"{shown}: record table is not valid .npy data ({type(e).__name__}: {e})") from None
+    if dtype != RECORD_TABLE_DTYPE or fortran or len(shape) != 1:
+        raise FormatError(f"{shown}: record table has dtype {dtype} and shape {shape}, "
+                          f"expected {RECORD_TABLE_DTYPE} rows")
+    if records is not None and shape[0] != records:
+        raise FormatError(f"{shown}: record table has {shape[0]} rows, the manifest says {records}")
+    body = blob[stream.tell():]
+    if len(body) != shape[0] * RECORD_TABLE_DTYPE.itemsize:
+        raise FormatError(f"{shown}: record table holds {len(body)} bytes for {shape[0]} rows (damaged)")
+    return np.frombuffer(body, dtype=RECORD_TABLE_DTYPE).copy()

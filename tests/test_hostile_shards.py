@@ -1,0 +1,146 @@
+"""Damaged and hostile shard files: truncations, names that leave the dataset, non-regular files,
+HDF5 links to other files. Each case ends in a ``FormatError`` from the reader, a problem from
+``verify`` and one CLI error line, all naming the shard; never a SIGBUS, a hang or a traceback."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import h5py
+import numpy as np
+import pytest
+
+from hostile_cases import assert_all_refused, damaged_copies
+from hostile_helpers import assert_one_line_error, edit_manifest, first_shard, run_cli, set_manifest_bytes
+
+FRACTIONS = [0.0, 0.1, 0.5, 0.9, 0.999]
+
+
+@pytest.fixture(params=["lmdb", "hdf5"])
+def packed(request: pytest.FixtureRequest, tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> Path:
+    """Six 16x16 raw records in two shards."""
+    return make_packed_dataset(tmp_path, storage=request.param, resize=16, crop=16, shard_size=4 * 768)
+
+
+def truncate(fraction: float, hide: bool) -> Callable[[Path], tuple[str, ...]]:
+    """Cut the first shard to ``fraction`` of its size; ``hide``: and make the manifest agree."""
+    def damage(dst: Path) -> tuple[str, ...]:
+        shard = first_shard(dst)
+        size = int(shard.stat().st_size * fraction)
+        os.truncate(shard, size)
+        if hide:
+            set_manifest_bytes(dst, 0, size)
+        return (shard.name,)
+    return damage
+
+
+def test_truncated_shards_are_refused_before_mapping(packed: Path) -> None:
+    cases = damaged_copies(packed, {f"truncated to {f}": truncate(f, hide=False) for f in FRACTIONS})
+    assert_all_refused(cases)
+    truncated = cases["truncated to 0.5"].path
+    assert_one_line_error(run_cli("verify", truncated, "--deep", "--quiet"), str(truncated), "problems")
+
+
+def test_truncations_hidden_in_the_manifest_are_refused(packed: Path) -> None:
+    """The author edited the manifest to the truncated size: the container's own header is checked."""
+    assert_all_refused(damaged_copies(packed, {f"truncated to {f}": truncate(f, hide=True) for f in FRACTIONS}))
+
+
+def rename_shard(name: str) -> Callable[[Path], tuple[str, ...]]:
+    def damage(dst: Path) -> tuple[str, ...]:
+        edit_manifest(dst, lambda data: data["shards"][0].update(file=name))
+        return "manifest.json", "not a plain file name"
+    return damage
+
+
+def test_shard_names_leaving_the_dataset_are_refused(tmp_path: Path, make_packed_dataset) -> None:
+    packed = make_packed_dataset(tmp_path, resize=16, crop=16)
+    names = ["../other/shard-00000.lmdb", "/etc/passwd", "/dev/zero", "..", ".", "", "sub/shard.lmdb"]
+    cases = damaged_copies(packed, {name: rename_shard(name) for name in names},
+                           raising=("read", "info"), verify_raises=True)
+    assert_all_refused(cases)
+    assert_one_line_error(run_cli("info", cases["/etc/passwd"].path), "/etc/passwd", "not a plain file name")
+
+
+def replace_shard(make: Callable[[Path], None], kind: str) -> Callable[[Path], tuple[str, ...]]:
+    def damage(dst: Path) -> tuple[str, ...]:
+        shard = first_shard(dst)
+        shard.unlink()
+        make(shard)
+        return shard.name, kind
+    return damage
+
+
+def test_non_regular_shards_are_never_opened(packed: Path, tmp_path: Path) -> None:
+    genuine = tmp_path / "genuine-shard"
+    genuine.write_bytes(first_shard(packed).read_bytes())
+    cases = damaged_copies(packed, {
+        "fifo": replace_shard(os.mkfifo, "a FIFO"),
+        "link to /dev/zero": replace_shard(lambda p: p.symlink_to("/dev/zero"), "a symlink"),
+        "link to /etc/passwd": replace_shard(lambda p: p.symlink_to("/etc/passwd"), "a symlink"),
+        "link to a genuine shard elsewhere": replace_shard(lambda p: p.symlink_to(genuine), "a symlink"),
+        "directory": replace_shard(Path.mkdir, "a directory"),
+    })
+    assert_all_refused(cases)
+    assert_one_line_error(run_cli("verify", cases["fifo"].path, "--quiet"), "problems")
+
+
+def external_link(f: h5py.File, table: np.ndarray, outside: Path) -> None:
+    with h5py.File(outside, "w") as other:
+        other["table"] = table
+    f["table"] = h5py.ExternalLink(str(outside), "/table")
+
+
+def soft_link(f: h5py.File, table: np.ndarray, outside: Path) -> None:
+    f["hidden"] = table
+    f["table"] = h5py.SoftLink("/hidden")
+
+
+def external_storage(f: h5py.File, table: np.ndarray, outside: Path) -> None:
+    outside.write_bytes(table.tobytes())
+    f.create_dataset("table", shape=table.shape, dtype=table.dtype, external=[(str(outside), 0, h5py.h5f.UNLIMITED)])
+
+
+def virtual_dataset(f: h5py.File, table: np.ndarray, outside: Path) -> None:
+    with h5py.File(outside, "w") as other:
+        other["table"] = table
+    layout = h5py.VirtualLayout(shape=table.shape, dtype=table.dtype)
+    layout[:] = h5py.VirtualSource(str(outside), "table", shape=table.shape)
+    f.create_virtual_dataset("table", layout)
+
+
+def relink_table(
+    make: Callable[[h5py.File, np.ndarray, Path], None], what: str
+) -> Callable[[Path], tuple[str, ...]]:
+    """Replace ``/table`` of the first HDF5 shard by what ``make`` builds, and fix the manifest's size."""
+    def damage(dst: Path) -> tuple[str, ...]:
+        shard = first_shard(dst)
+        with h5py.File(shard, "r+") as f:
+            table = f["table"][()]
+            del f["table"]
+            make(f, table, dst.parent / f"{dst.name}-outside")
+        set_manifest_bytes(dst, 0, shard.stat().st_size)
+        return shard.name, what
+    return damage
+
+
+def compressed_table_bomb(dst: Path) -> tuple[str, ...]:
+    """A gzip-compressed ``/table`` of a million rows (32 MB) in a file of a few KB, and a manifest that
+    agrees with it: refused before it is inflated."""
+    def bomb(f: h5py.File, table: np.ndarray, outside: Path) -> None:
+        f.create_dataset("table", shape=(1_000_000,), dtype=table.dtype, chunks=(100_000,), compression="gzip")
+    names = relink_table(bomb, "more than the file can hold")(dst)
+    edit_manifest(dst, lambda data: data["shards"][0].update(records=1_000_000))
+    return names
+
+
+def test_hdf5_tables_in_other_files_are_refused(tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> None:
+    dst = make_packed_dataset(tmp_path, storage="hdf5", resize=16, crop=16, shard_size=10**6)
+    assert_all_refused(damaged_copies(dst, {
+        "external link": relink_table(external_link, "externallink"),
+        "soft link": relink_table(soft_link, "softlink"),
+        "external raw storage": relink_table(external_storage, "external files"),
+        "virtual dataset": relink_table(virtual_dataset, "virtual dataset"),
+        "a compressed table of a million rows": compressed_table_bomb,
+    }))
