@@ -13,6 +13,7 @@ import click
 
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, describe_transform, info
+from packer.merging import merge_parts
 from packer.packing import ON_ERROR, pack
 from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
 from packer.verification import verify
@@ -88,16 +89,35 @@ def main() -> None:
 @click.option("--force", is_flag=True, help="Overwrite a finished dataset, or pack into a non-empty DST.")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=DEFAULT_MAX_PIXELS, show_default=True,
               help="Images with more pixels are refused as decompression bombs.")
+@click.option("--partitions", type=click.IntRange(min=1),
+              help="Cut the plan into this many partitions [default: from the record count alone].")
+@click.option("--part", help="Pack only task I's share of the partitions (I/N, 0-based), or `slurm` to read "
+              "SLURM_ARRAY_TASK_ID/_COUNT/_MIN; then `packer merge DST` once every task is done.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def pack_command(src: Path, dst: Path, labels: Path | None, storage: str,
                  resize: int | tuple[int, int] | None, crop: int | tuple[int, int] | None,
                  encoding: str, quality: int, shard_size: int, workers: int | None, on_error: str,
-                 force: bool, max_pixels: int, quiet: bool) -> None:
+                 force: bool, max_pixels: int, partitions: int | None, part: str | None, quiet: bool) -> None:
     """Pack the images under SRC (one sub-folder per class, or --labels) into the dataset DST."""
     try:
         manifest = pack(src, dst, labels=labels, storage=storage, resize=resize, crop=crop,
                         encoding=encoding, quality=quality, shard_size=shard_size, workers=workers,
-                        on_error=on_error, force=force, progress=not quiet, max_pixels=max_pixels)
+                        on_error=on_error, force=force, progress=not quiet, max_pixels=max_pixels,
+                        partitions=partitions, part=part)
+    except (PackError, FormatError) as e:
+        raise click.ClickException(str(e)) from None
+    if manifest is None:
+        click.echo(f"packed part {part} at {dst}; run `packer merge {dst}` once every part is done")
+    else:
+        _print_pack_summary(dst, manifest)
+
+
+@main.command("merge")
+@click.argument("dst", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def merge_command(dst: Path) -> None:
+    """Finish DST, packed part by part with `pack --part`: check every part, write the manifest."""
+    try:
+        manifest = merge_parts(dst)
     except (PackError, FormatError) as e:
         raise click.ClickException(str(e)) from None
     _print_pack_summary(dst, manifest)

@@ -1,96 +1,155 @@
-"""Decoding and encoding images on every core, handing the results back in plan order.
+"""Packing partitions on every core: each process decodes, encodes AND writes whole partitions.
 
-Work goes out in chunks of ``CHUNK_SIZE`` images to a pool of forked processes, with at most
-``CHUNKS_PER_WORKER`` chunks per worker in flight, so memory stays bounded however slow the writer is.
-Each image comes back as an ``Encoded`` payload or a ``Failure`` naming why it could not be read; the
-caller decides whether a failure stops the pack. With ``workers <= 1`` the same code runs in-process.
+A partition (``packer.partitions``) is packed start to finish by one process into its own shards
+(``part-PPPPP-shard-SSSSS``), then marked done by its part record (``packer.journal``). Nothing per
+record travels between processes except a shared progress count, so adding cores adds writers too.
+The result of a partition depends only on its records, so any number of processes, in any order,
+give the same bytes. With ``workers <= 1`` the partitions are packed one after the other in this
+process; otherwise a pool of forked processes takes them one at a time.
 """
 from __future__ import annotations
 
 import multiprocessing
-from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import Iterator, NamedTuple, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
-from PIL import Image
+import numpy as np
 
+from packer.destination import partition_shard_name
+from packer.encoding import Failure, encode_file
 from packer.errors import PackError
-from packer.transforms import TransformSpec, encode, load_image
+from packer.journal import PartRecord
+from packer.malloc_tuning import reuse_large_allocations
+from packer.partitions import Partition
+from packer.shard_sequence import ShardSequence
+from packer.sources import Skipped
+from packer.transforms import TransformSpec
 
-CHUNK_SIZE = 32
-CHUNKS_PER_WORKER = 3
-
-
-class Encoded(NamedTuple):
-    """One image's record payload and its size."""
-
-    payload: bytes
-    height: int
-    width: int
+_PROGRESS_SECONDS = 0.2
 
 
-class Failure(NamedTuple):
-    """Why one image could not be packed."""
+@dataclass(frozen=True)
+class PackSettings:
+    """What every partition of one pack shares: where, how, and the plan's fingerprint."""
 
-    reason: str
+    dst: Path
+    root: Path
+    storage: str
+    shard_size: int
+    spec: TransformSpec
+    on_error: str
+    fingerprint: str
 
 
-def encode_file(path: str, spec: TransformSpec) -> Encoded | Failure:
-    """Apply the pre-transform and the encoding to one file.
+@dataclass(frozen=True)
+class PartitionTask:
+    """One partition to pack: its range, and its images' paths (relative to the root) and labels."""
 
-    Whatever exception reading a broken file makes PIL raise (it is not limited to ``OSError``) is that
-    file's ``Failure``, so that one bad file can be skipped rather than stop the whole pack.
+    settings: PackSettings
+    partition: Partition
+    paths: list[str]
+    labels: np.ndarray
+
+
+class Stopped(Exception):
+    """Another partition failed, so this one was given up."""
+
+
+def pack_partition(
+    task: PartitionTask,
+    on_record: Callable[[int], Any] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> PartRecord:
+    """Encode and write one partition's records into its own shards, then save its part record.
+
+    ``on_record(1)`` is called after each image; ``should_stop()`` is asked before each image, and a
+    true answer gives the partition up (``Stopped``). With ``on_error="fail"`` a bad image raises
+    ``PackError`` naming it. The shard being written is dropped on any exception.
     """
+    settings, partition = task.settings, task.partition
+    shards = ShardSequence(
+        settings.dst, settings.storage, settings.shard_size,
+        lambda number: partition_shard_name(partition.index, number, settings.storage),
+    )
+    skipped: list[tuple[int, Skipped]] = []
     try:
-        img = load_image(path, spec)
-        payload = encode(img, spec.encoding, spec.quality)
-    except Exception as e:
-        return Failure(describe_failure(e))
-    return Encoded(payload, img.height, img.width)
+        for position, path, label in zip(range(partition.start, partition.end), task.paths, task.labels):
+            if should_stop is not None and should_stop():
+                raise Stopped
+            result = encode_file(str(settings.root / path), settings.spec)
+            if isinstance(result, Failure):
+                if settings.on_error == "fail":
+                    raise PackError(f"{settings.root / path}: {result.reason}")
+                skipped.append((position, Skipped(path, result.reason)))
+            else:
+                shards.add(result, int(label))
+            if on_record is not None:
+                on_record(1)
+        record = PartRecord(settings.fingerprint, partition, shards.finish(), skipped)
+    except BaseException:
+        shards.abort()
+        raise
+    record.save(settings.dst)
+    return record
 
 
-def encode_chunk(paths: Sequence[str], spec: TransformSpec) -> list[Encoded | Failure]:
-    """``encode_file`` over a chunk of paths, in order (the unit of work sent to a worker process)."""
-    return [encode_file(path, spec) for path in paths]
+def pack_partitions(
+    tasks: list[PartitionTask], workers: int, on_records: Callable[[int], Any]
+) -> list[PartRecord]:
+    """Pack every task's partition with ``workers`` processes; their part records, in task order.
 
-
-def encode_in_order(
-    paths: Sequence[str], spec: TransformSpec, workers: int
-) -> Iterator[Encoded | Failure]:
-    """One result per path, in the order of ``paths``, computed by ``workers`` processes."""
-    chunks = (paths[i : i + CHUNK_SIZE] for i in range(0, len(paths), CHUNK_SIZE))
-    if workers <= 1:
-        for chunk in chunks:
-            yield from encode_chunk(chunk, spec)
-        return
-    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    ``on_records(n)`` is called in this process as images are done. The first failure stops the other
+    partitions (their finished shards stay for a rerun to overwrite) and is raised here.
+    """
+    if workers <= 1 or len(tasks) <= 1:
+        reuse_large_allocations()
+        return [pack_partition(task, on_records) for task in tasks]
+    context = multiprocessing.get_context("fork")
+    done_count = context.Value("q", 0)
+    stop = context.Event()
+    executor = ProcessPoolExecutor(
+        min(workers, len(tasks)), mp_context=context, initializer=_start_worker, initargs=(done_count, stop)
+    )
+    records: dict[Future[PartRecord], PartRecord] = {}
+    reported = 0
     try:
-        pending: deque[Future[list[Encoded | Failure]]] = deque()
-        for chunk in chunks:
-            pending.append(executor.submit(encode_chunk, chunk, spec))
-            if len(pending) >= workers * CHUNKS_PER_WORKER:
-                yield from pending.popleft().result()
+        futures = [executor.submit(_pack_in_worker, task) for task in tasks]
+        pending = set(futures)
         while pending:
-            yield from pending.popleft().result()
+            finished, pending = wait(pending, timeout=_PROGRESS_SECONDS, return_when=FIRST_COMPLETED)
+            now = done_count.value
+            on_records(now - reported)
+            reported = now
+            for future in finished:
+                records[future] = future.result()
     except BrokenProcessPool as e:
         raise PackError(
-            f"an image-encoding worker process died ({e}); if it ran out of memory, use fewer workers"
+            f"a packing worker process died ({e}); if it ran out of memory, use fewer workers"
         ) from None
     finally:
+        if len(records) < len(tasks):
+            stop.set()
         executor.shutdown(wait=True, cancel_futures=True)
+    return [records[future] for future in futures]
 
 
-def describe_failure(error: Exception) -> str:
-    """A short reason for a file that could not be packed, from the exception reading it raised."""
-    message = str(error)
-    if isinstance(error, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
-        return f"decompression bomb ({message})"
-    if isinstance(error, Image.UnidentifiedImageError):
-        return "not an image, or an unsupported image format"
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
-        return f"unreadable file ({error.strerror})"
-    lowered = message.lower()
-    if "truncated" in lowered or "broken data stream" in lowered or isinstance(error, EOFError):
-        return f"truncated or corrupt image ({message or type(error).__name__})"
-    return f"cannot decode image ({type(error).__name__}: {message})"
+_worker_done_count: Any = None
+_worker_stop: Any = None
+
+
+def _start_worker(done_count: Any, stop: Any) -> None:
+    global _worker_done_count, _worker_stop
+    _worker_done_count, _worker_stop = done_count, stop
+    reuse_large_allocations()
+
+
+def _pack_in_worker(task: PartitionTask) -> PartRecord:
+    return pack_partition(task, _count_done, _worker_stop.is_set)
+
+
+def _count_done(n: int) -> None:
+    with _worker_done_count.get_lock():
+        _worker_done_count.value += n

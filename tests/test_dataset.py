@@ -148,19 +148,19 @@ def test_truncated_shard_names_file_and_record(tmp_path, images):
                          encoding="raw", records_per_shard=10)
     ds = PackedDataset(packed.path)
     assert shard_bounds(ds)[:3] == [0, 10, 20]
-    os.truncate(packed.path / "shard-00001.h5", int(ds._offsets[15]) + 10)
+    os.truncate(packed.path / "part-00000-shard-00001.h5", int(ds._offsets[15]) + 10)
     ds[10]
-    with pytest.raises(FormatError, match=r"shard-00001\.h5.*record 15"):
+    with pytest.raises(FormatError, match=r"part-00000-shard-00001\.h5.*record 15"):
         ds.__getitems__([10, 15])
 
 
 def test_corrupt_jpeg_names_file_and_record(tmp_path, images):
     packed = pack_one_shard(tmp_path, images, "hdf5", "jpeg")
     ds = PackedDataset(packed.path)
-    with open(packed.path / "shard-00000.h5", "r+b") as f:
+    with open(packed.path / "part-00000-shard-00000.h5", "r+b") as f:
         f.seek(int(ds._offsets[4]))
         f.write(b"\0" * 64)
-    with pytest.raises(FormatError, match=r"shard-00000\.h5: record 4 .*not a valid JPEG"):
+    with pytest.raises(FormatError, match=r"part-00000-shard-00000\.h5: record 4 .*not a valid JPEG"):
         ds[4]
 
 
@@ -197,7 +197,7 @@ def test_fast_decode_option_stays_close_to_pil(tmp_path, images):
     accurate, fast = PackedDataset(packed.path, fast_decode=False), PackedDataset(packed.path)
     for i in (0, 7):
         start, size = int(accurate._offsets[i]), int(accurate._nbytes[i])
-        with open(packed.path / "shard-00000.h5", "rb") as f:
+        with open(packed.path / "part-00000-shard-00000.h5", "rb") as f:
             f.seek(start)
             reference = chw(np.asarray(Image.open(io.BytesIO(f.read(size))).convert("RGB")))
         for ds, tolerance in ((accurate, 0.5), (fast, 3)):
@@ -286,7 +286,7 @@ def test_cold_batch_reads_its_whole_blocks_ahead(tmp_path, page_sized_images, mo
 
 def test_cached_batch_asks_for_nothing(tmp_path, images, monkeypatch):
     ds, packed = one_shard_of_blocks(tmp_path, images, "lmdb", "raw", records_per_block=5)
-    (tmp_path / "packed" / "shard-00000.lmdb").read_bytes()  # now in the page cache
+    (tmp_path / "packed" / "part-00000-shard-00000.lmdb").read_bytes()  # now in the page cache
     advice = []
     monkeypatch.setattr(reader.shard_io.os, "posix_fadvise", lambda *args: advice.append(args))
     batch, _ = ds.__getitems__([12, 6, 13, 0])
