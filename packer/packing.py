@@ -22,6 +22,7 @@ from packer.journal import PartRecord, PlanRecord, part_problem, plan_fingerprin
 from packer.merging import write_manifest
 from packer.partitions import Part, Partition, cut, default_partition_count, parse_part
 from packer.pipeline import PackSettings, PartitionTask, pack_partitions
+from packer.resampling import default_resampler
 from packer.sources import Plan, scan_source
 from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
 from packer.version import __version__
@@ -50,6 +51,7 @@ def pack(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     partitions: int | None = None,
     part: Part | str | None = None,
+    resampler: str | None = None,
     runner: Runner | None = None,
 ) -> Manifest | None:
     """Pack the images under ``src`` into the dataset directory ``dst`` and return its manifest.
@@ -61,13 +63,14 @@ def pack(
     ``on_error="skip"`` leaves unreadable images out (listed in the manifest) instead of failing.
     ``partitions`` overrides the default partition count (``packer.partitions``). An interrupted pack
     resumes when rerun with the same arguments, keeping the partitions already finished.
+    ``resampler`` (``"pil"`` or ``"torch"``) says who resizes; the default is ``packer.resampling``'s.
 
     ``part`` (``"I/N"``, ``"slurm"`` or a ``Part``) packs only task I's share of the partitions and
     returns None; once every task is done, ``packer.merge_parts(dst)`` writes the manifest.
     ``runner`` packs the partition tasks instead of the local process pool (``packer.ray_runner``).
     Raises ``PackError`` on bad input.
     """
-    spec = _transform_spec(resize, crop, encoding, quality, max_pixels)
+    spec = _transform_spec(resize, crop, encoding, quality, max_pixels, resampler)
     _check_options(storage, shard_size, on_error)
     worker_count = _worker_count(workers)
     task_part = parse_part(part) if isinstance(part, str) else part
@@ -152,9 +155,10 @@ def _transform_spec(
     encoding: str,
     quality: int,
     max_pixels: int,
+    resampler: str | None,
 ) -> TransformSpec:
     try:
-        return TransformSpec(resize, crop, encoding, quality, max_pixels)
+        return TransformSpec(resize, crop, encoding, quality, max_pixels, resampler or default_resampler())
     except ValueError as e:
         raise PackError(str(e)) from None
 

@@ -20,7 +20,8 @@ def test_raw_pixels_and_labels_equal_plain_pil(
     tmp_path: Path, make_image_folder: Callable[..., Path], storage: str
 ) -> None:
     src = make_image_folder(tmp_path / "src", classes=("b_class", "a_class"), per_class=3)
-    manifest = packer.pack(src, tmp_path / "out", storage=storage, resize=24, crop=20, workers=0, progress=False)
+    manifest = packer.pack(src, tmp_path / "out", storage=storage, resize=24, crop=20, workers=0, progress=False,
+                           resampler="pil")
     records = read_packed_records(tmp_path / "out")
     files = sorted(src.glob("*/*.png"))  # a_class first: classes are sorted
     assert [r[1] for r in records] == [0, 0, 0, 1, 1, 1]
@@ -66,7 +67,8 @@ def test_small_shard_size_splits_records_in_order(tmp_path: Path, make_image_fol
     src = make_image_folder(tmp_path / "src", per_class=5)
     record_bytes = 3 * 16 * 16
     manifest = packer.pack(
-        src, tmp_path / "out", resize=16, crop=16, shard_size=3 * record_bytes + 10, workers=0, progress=False
+        src, tmp_path / "out", resize=16, crop=16, shard_size=3 * record_bytes + 10, workers=0, progress=False,
+        resampler="pil",
     )
     assert [s.records for s in manifest.shards] == [3, 3, 3, 1]
     assert [s.file for s in manifest.shards] == [f"part-00000-shard-{i:05d}.lmdb" for i in range(4)]
@@ -95,7 +97,7 @@ def test_output_is_byte_identical_for_any_worker_count(
     for workers in (0, 1, 2):
         dst = tmp_path / f"out{workers}"
         packer.pack(src, dst, storage=storage, resize=24, crop=20, shard_size=5_000, workers=workers,
-                    partitions=5, progress=False)
+                    partitions=5, resampler="pil", progress=False)
         outputs.append({p.name: p.read_bytes() for p in sorted(dst.iterdir())})
     suffix = ".lmdb" if storage == "lmdb" else ".h5"
     assert sorted(outputs[0]) == [MANIFEST_NAME] + [f"part-{p:05d}-shard-{s:05d}{suffix}" for p in range(5) for s in range(2)]
