@@ -2,9 +2,13 @@
 inspect (``info``) or check (``verify``) a packed dataset. ``packer`` on the command line."""
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, info
+from packer.joining import join_datasets
 from packer.merging import merge_parts
 from packer.packing import pack
 from packer.verification import VerifyReport, verify
 from packer.version import __version__
 
-__all__ = ["DatasetInfo", "PackError", "VerifyReport", "__version__", "info", "merge_parts", "pack", "verify"]
+__all__ = [
+    "DatasetInfo", "PackError", "VerifyReport", "__version__", "info", "join_datasets", "merge_parts", "pack",
+    "verify",
+]

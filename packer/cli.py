@@ -13,6 +13,7 @@ import click
 
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, describe_transform, info
+from packer.joining import join_datasets
 from packer.merging import merge_parts
 from packer.packing import ON_ERROR, pack
 from packer.resampling import RESAMPLERS
@@ -117,14 +118,25 @@ def pack_command(src: Path, dst: Path, labels: Path | None, storage: str,
 
 
 @main.command("merge")
-@click.argument("dst", type=click.Path(exists=True, file_okay=False, path_type=Path))
-def merge_command(dst: Path) -> None:
-    """Finish DST, packed part by part with `pack --part`: check every part, write the manifest."""
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("inputs", nargs=-1, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite a finished dataset at DST (when joining).")
+def merge_command(dst: Path, inputs: tuple[Path, ...], force: bool) -> None:
+    """`merge DST`: finish DST, packed part by part with `pack --part` (check every part, write the
+    manifest). `merge DST A B ...`: join the finished datasets A, B, ... into the new dataset DST."""
     try:
-        manifest = merge_parts(dst)
+        if not inputs:
+            if not dst.is_dir():
+                raise PackError(f"{dst}: no such directory")
+            _print_pack_summary(dst, merge_parts(dst))
+            return
+        report = join_datasets(dst, list(inputs), force=force)
     except (PackError, FormatError) as e:
         raise click.ClickException(str(e)) from None
-    _print_pack_summary(dst, manifest)
+    manifest = report.manifest
+    how = f"{report.linked} hard-linked (no bytes copied), {report.copied} copied"
+    click.echo(f"joined {len(inputs)} datasets into {dst}: {manifest.num_records} images in "
+               f"{len(manifest.classes)} classes, {len(manifest.shards)} shards ({how})")
 
 
 @main.command("info")
