@@ -16,6 +16,7 @@ from packer.inspection import DatasetInfo, describe_transform, info
 from packer.joining import join_datasets
 from packer.merging import merge_parts
 from packer.packing import ON_ERROR, pack
+from packer.ray_runner import ray_runner
 from packer.resampling import RESAMPLERS
 from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
 from packer.verification import verify
@@ -95,6 +96,9 @@ def main() -> None:
               help="Cut the plan into this many partitions [default: from the record count alone].")
 @click.option("--part", help="Pack only task I's share of the partitions (I/N, 0-based), or `slurm` to read "
               "SLURM_ARRAY_TASK_ID/_COUNT/_MIN; then `packer merge DST` once every task is done.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", metavar="[ADDRESS]",
+              help="Pack the partitions as Ray tasks: on a local Ray instance (no ADDRESS; --workers CPUs), or "
+              "on the cluster at ADDRESS (auto, host:port, ray://host:port). Needs the ray extra.")
 @click.option("--resampler", type=click.Choice(RESAMPLERS),
               help="Who resizes [default: pil with pillow-simd, torch with plain Pillow].")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -102,13 +106,14 @@ def pack_command(src: Path, dst: Path, labels: Path | None, storage: str,
                  resize: int | tuple[int, int] | None, crop: int | tuple[int, int] | None,
                  encoding: str, quality: int, shard_size: int, workers: int | None, on_error: str,
                  force: bool, max_pixels: int, partitions: int | None, part: str | None,
-                 resampler: str | None, quiet: bool) -> None:
+                 ray_address: str | None, resampler: str | None, quiet: bool) -> None:
     """Pack the images under SRC (one sub-folder per class, or --labels) into the dataset DST."""
     try:
         manifest = pack(src, dst, labels=labels, storage=storage, resize=resize, crop=crop,
                         encoding=encoding, quality=quality, shard_size=shard_size, workers=workers,
                         on_error=on_error, force=force, progress=not quiet, max_pixels=max_pixels,
-                        partitions=partitions, part=part, resampler=resampler)
+                        partitions=partitions, part=part, resampler=resampler,
+                        runner=None if ray_address is None else ray_runner(ray_address, workers or None))
     except (PackError, FormatError) as e:
         raise click.ClickException(str(e)) from None
     if manifest is None:
