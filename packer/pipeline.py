@@ -5,16 +5,22 @@ A partition (``packer.partitions``) is packed start to finish by one process int
 record travels between processes except a shared progress count, so adding cores adds writers too.
 The result of a partition depends only on its records, so any number of processes, in any order,
 give the same bytes. With ``workers <= 1`` the partitions are packed one after the other in this
-process; otherwise a pool of forked processes takes them one at a time.
+process; otherwise forked worker processes take them one at a time from a queue.
+
+Finishing a partition (its last shard's LMDB commit or HDF5 copy, fsync, rename and checksum, then
+the part record) takes 15-20 ms for a 10 MB shard here, most of it waiting for the disk. A process
+does it on a background thread while it encodes its next partition (``pack_in_turn``), so the core
+is not left idle; at most one partition per process is being finished at a time.
 """
 from __future__ import annotations
 
 import multiprocessing
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+import pickle
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -29,7 +35,6 @@ from packer.sources import Skipped
 from packer.transforms import TransformSpec
 
 _PROGRESS_SECONDS = 0.2
-
 
 @dataclass(frozen=True)
 class PackSettings:
@@ -69,6 +74,36 @@ def pack_partition(
     true answer gives the partition up (``Stopped``). With ``on_error="fail"`` a bad image raises
     ``PackError`` naming it. The shard being written is dropped on any exception.
     """
+    shards, skipped = _encode_partition(task, on_record, should_stop)
+    return _finish_partition(task, shards, skipped)
+
+
+def pack_in_turn(
+    tasks: Iterable[PartitionTask],
+    on_record: Callable[[int], Any] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[PartRecord]:
+    """``pack_partition`` over ``tasks`` one after the other, each partition finished on a background
+    thread while the next one is encoded; yields the part records in task order as they are saved."""
+    with ThreadPoolExecutor(1, thread_name_prefix="partition-finisher") as finisher:
+        finishing: Future[PartRecord] | None = None
+        try:
+            for task in tasks:
+                shards, skipped = _encode_partition(task, on_record, should_stop)
+                if finishing is not None:
+                    yield finishing.result()
+                finishing = finisher.submit(_finish_partition, task, shards, skipped)
+            if finishing is not None:
+                yield finishing.result()
+        finally:
+            if finishing is not None and not finishing.done():
+                finishing.exception()  # a complete partition: let it be saved for a rerun to keep
+
+
+def _encode_partition(
+    task: PartitionTask, on_record: Callable[[int], Any] | None, should_stop: Callable[[], bool] | None
+) -> tuple[ShardSequence, list[tuple[int, Skipped]]]:
+    """Every record of the partition appended to its shards; the last shard is left open."""
     settings, partition = task.settings, task.partition
     shards = ShardSequence(
         settings.dst, settings.storage, settings.shard_size,
@@ -88,11 +123,22 @@ def pack_partition(
                 shards.add(result, int(label))
             if on_record is not None:
                 on_record(1)
-        record = PartRecord(settings.fingerprint, partition, shards.finish(), skipped)
     except BaseException:
         shards.abort()
         raise
-    record.save(settings.dst)
+    return shards, skipped
+
+
+def _finish_partition(
+    task: PartitionTask, shards: ShardSequence, skipped: list[tuple[int, Skipped]]
+) -> PartRecord:
+    """Publish the partition's last shard, then save the part record that marks it done."""
+    try:
+        record = PartRecord(task.settings.fingerprint, task.partition, shards.finish(), skipped)
+    except BaseException:
+        shards.abort()
+        raise
+    record.save(task.settings.dst)
     return record
 
 
@@ -102,54 +148,84 @@ def pack_partitions(
     """Pack every task's partition with ``workers`` processes; their part records, in task order.
 
     ``on_records(n)`` is called in this process as images are done. The first failure stops the other
-    partitions (their finished shards stay for a rerun to overwrite) and is raised here.
+    partitions (their finished shards stay for a rerun to overwrite) and is raised here; so is the
+    death of a worker process.
     """
     if workers <= 1 or len(tasks) <= 1:
         reuse_large_allocations()
-        return [pack_partition(task, on_records) for task in tasks]
+        return list(pack_in_turn(tasks, on_records))
     context = multiprocessing.get_context("fork")
-    done_count = context.Value("q", 0)
-    stop = context.Event()
-    executor = ProcessPoolExecutor(
-        min(workers, len(tasks)), mp_context=context, initializer=_start_worker, initargs=(done_count, stop)
-    )
-    records: dict[Future[PartRecord], PartRecord] = {}
+    todo, results = context.Queue(), context.Queue()
+    done_count, stop = context.Value("q", 0), context.Event()
+    for task in tasks:
+        todo.put(task)
+    processes = [
+        context.Process(target=_worker, args=(todo, results, done_count, stop), daemon=True)
+        for _ in range(min(workers, len(tasks)))
+    ]
+    for process in processes:
+        todo.put(None)
+        process.start()
+    records: dict[int, PartRecord] = {}
     reported = 0
     try:
-        futures = [executor.submit(_pack_in_worker, task) for task in tasks]
-        pending = set(futures)
-        while pending:
-            finished, pending = wait(pending, timeout=_PROGRESS_SECONDS, return_when=FIRST_COMPLETED)
-            now = done_count.value
-            on_records(now - reported)
-            reported = now
-            for future in finished:
-                records[future] = future.result()
-    except BrokenProcessPool as e:
-        raise PackError(
-            f"a packing worker process died ({e}); if it ran out of memory, use fewer workers"
-        ) from None
+        while len(records) < len(tasks):
+            try:
+                kind, payload = results.get(timeout=_PROGRESS_SECONDS)
+            except queue.Empty:
+                _check_alive(processes)
+                continue
+            finally:
+                now = done_count.value
+                on_records(now - reported)
+                reported = now
+            if kind == "error":
+                raise payload
+            records[payload.partition.index] = payload
     finally:
-        if len(records) < len(tasks):
-            stop.set()
-        executor.shutdown(wait=True, cancel_futures=True)
-    return [records[future] for future in futures]
+        stop.set()
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [records[task.partition.index] for task in tasks]
 
 
-_worker_done_count: Any = None
-_worker_stop: Any = None
-
-
-def _start_worker(done_count: Any, stop: Any) -> None:
-    global _worker_done_count, _worker_stop
-    _worker_done_count, _worker_stop = done_count, stop
+def _worker(todo: Any, results: Any, done_count: Any, stop: Any) -> None:
+    """A worker process: packs partitions from ``todo`` until its end marker, sends each part record
+    (or the error that stopped it) to ``results``."""
     reuse_large_allocations()
 
+    def count_done(n: int) -> None:
+        with done_count.get_lock():
+            done_count.value += n
 
-def _pack_in_worker(task: PartitionTask) -> PartRecord:
-    return pack_partition(task, _count_done, _worker_stop.is_set)
+    try:
+        for record in pack_in_turn(iter(todo.get, None), count_done, stop.is_set):
+            results.put(("record", record))
+    except Stopped:
+        pass
+    except BaseException as e:
+        results.put(("error", _sendable(e)))
 
 
-def _count_done(n: int) -> None:
-    with _worker_done_count.get_lock():
-        _worker_done_count.value += n
+def _sendable(error: BaseException) -> BaseException:
+    """``error`` itself when it pickles, else a ``PackError`` carrying its description."""
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:
+        return PackError(f"{type(error).__name__}: {error}")
+
+
+def _check_alive(processes: list[Any]) -> None:
+    """Raise when a worker process died (killed, out of memory) instead of finishing its work."""
+    if all(process.exitcode == 0 for process in processes):
+        raise PackError("the packing worker processes ended before every partition was packed")
+    for process in processes:
+        if process.exitcode not in (None, 0):
+            raise PackError(
+                f"a packing worker process died (exit code {process.exitcode}); "
+                "if it ran out of memory, use fewer workers"
+            )

@@ -1,8 +1,6 @@
 """``pack --ray``: the partitions as tasks on a real local Ray instance (2 CPUs), one of them killed."""
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -11,6 +9,7 @@ from typing import Callable, Iterator
 import pytest
 
 import packer
+from pack_helpers import kill_a_writer
 from packer.ray_runner import ray_runner
 
 ray = pytest.importorskip("ray")
@@ -27,32 +26,6 @@ def local_ray() -> Iterator[None]:
 
 def tree(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
-
-
-def holder_of(path: Path) -> int | None:
-    """The process that has ``path`` open (the Ray worker writing that shard), if any."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == str(path) for fd in fds):
-                return int(pid)
-        except OSError:
-            continue
-    return None
-
-
-def kill_a_writer(dst: Path, killed: list[str], deadline: float) -> None:
-    """Wait for a shard being written in ``dst``, and SIGKILL the process writing it; ``killed`` gets
-    its command line."""
-    while time.monotonic() < deadline and not killed:
-        for tmp in dst.glob("*.tmp") if dst.is_dir() else []:
-            pid = holder_of(tmp.resolve())
-            if pid is not None and pid != os.getpid():
-                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                os.kill(pid, signal.SIGKILL)
-                killed.append(command)
-                return
-        time.sleep(0.002)
 
 
 def test_ray_pack_survives_a_killed_task_and_equals_a_local_pack(

@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,7 @@ import pytest
 
 import packer
 import packer.pipeline
+from pack_helpers import kill_a_writer
 from packer.destination import PLAN_NAME
 from reader.format import MANIFEST_NAME
 
@@ -140,4 +142,25 @@ def test_kill_9_of_the_whole_process_group_at_random_points_then_a_rerun_gives_i
     assert interrupted >= 1, "no kill landed before the pack finished"
     if not (dst / MANIFEST_NAME).exists():
         subprocess.run(command(dst), check=True, capture_output=True)
+    assert tree(dst) == tree(clean)
+
+
+def test_a_worker_process_killed_mid_shard_fails_the_pack_clearly_and_a_rerun_finishes(
+    tmp_path: Path, make_image_folder: Callable[..., Path]
+) -> None:
+    src = make_image_folder(tmp_path / "src", classes=("a", "b", "c"), per_class=16, size=(480, 360), ext="jpg")
+    options = {**OPTIONS, "resize": 96, "crop": 96, "partitions": 6, "shard_size": 1 << 20, "workers": 2}
+    dst = tmp_path / "out"
+    killed: list[str] = []
+    killer = threading.Thread(target=kill_a_writer, args=(dst, killed, time.monotonic() + 60))
+    killer.start()
+    try:
+        with pytest.raises(packer.PackError, match=r"a packing worker process died \(exit code -9\)"):
+            packer.pack(src, dst, **options)
+    finally:
+        killer.join()
+    assert killed and not (dst / MANIFEST_NAME).exists()
+    packer.pack(src, dst, **options)
+    clean = tmp_path / "clean"
+    packer.pack(src, clean, **{**options, "workers": 0})
     assert tree(dst) == tree(clean)
