@@ -16,7 +16,7 @@ from reader.format import MANIFEST_NAME, shard_file_name
 PLAN_NAME = ".pack-plan.json"
 _SHARD = r"(part-\d{5,}-)?shard-\d{5,}\.(lmdb|h5)(\.tmp|\.spool)?"  # shard-00000: datasets before partitions
 _OWN_FILE = re.compile(
-    rf"({_SHARD}|\.part-\d{{5,}}\.json|{re.escape(MANIFEST_NAME)}|{re.escape(PLAN_NAME)}"
+    rf"({_SHARD}|\.part-\d{{5,}}\.json|{re.escape(MANIFEST_NAME)}|{re.escape(PLAN_NAME)}(\.[\w.-]+-\d+)?"
     r"|\.pack-journal\.json)(\.tmp)?"  # the journal: before partitions
 )
 

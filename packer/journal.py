@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from packer.destination import PLAN_NAME, part_record_name
 from packer.partitions import Partition
 from packer.sources import Plan, Skipped
 from reader.format import ShardInfo, file_checksum
-from reader.format.manifest import write_file_atomically
+from reader.format.manifest import fsync_directory, write_file_atomically
 
 
 @dataclass
@@ -45,7 +47,11 @@ class PlanRecord:
             "manifest": self.manifest,
             "scan_skipped": [dataclasses.asdict(s) for s in self.scan_skipped],
         }
-        write_file_atomically(dst / PLAN_NAME, json.dumps(data, indent=1).encode())
+        # The tasks of a job may all write it at once: each stages its copy under a name of its own.
+        staged = dst / f"{PLAN_NAME}.{socket.gethostname()}-{os.getpid()}"
+        write_file_atomically(staged, json.dumps(data, indent=1).encode())
+        os.replace(staged, dst / PLAN_NAME)
+        fsync_directory(dst)
 
     @classmethod
     def load(cls, dst: Path) -> PlanRecord | None:

@@ -47,7 +47,8 @@ def write_manifest(dst: Path, plan: PlanRecord, records: list[PartRecord]) -> Ma
     manifest.write(dst)
     for partition in plan.partitions:
         (dst / part_record_name(partition.index)).unlink(missing_ok=True)
-    (dst / PLAN_NAME).unlink(missing_ok=True)
+    for plan_file in [dst / PLAN_NAME, *dst.glob(f"{PLAN_NAME}.*")]:  # with copies left by killed tasks
+        plan_file.unlink(missing_ok=True)
     return manifest
 
 

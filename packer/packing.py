@@ -129,7 +129,9 @@ def _plan_record(
     }
     PlanRecord(fingerprint, partitions, manifest, plan.skipped).save(dst)
     saved = PlanRecord.load(dst)
-    assert saved is not None
+    if saved is None:
+        raise PackError(f"{dst / PLAN_NAME}: written but not readable back (is DST shared by a pack with "
+                        "other options?)")
     return saved
 
 

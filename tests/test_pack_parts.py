@@ -133,3 +133,16 @@ def test_the_sbatch_script_packs_one_array_task_each(tmp_path: Path, src: Path) 
     one_shot = tmp_path / "one-shot"
     assert run("pack", src, one_shot, *PACK, "--workers", "0")[0] == 0
     assert tree(dst) == tree(one_shot)
+
+
+def test_tasks_started_at_the_same_moment_share_dst_safely(tmp_path: Path, src: Path) -> None:
+    """Three real processes, as an array's tasks start, each writing the plan and its partitions."""
+    dst = tmp_path / "parts"
+    command = [sys.executable, "-m", "packer", "pack", str(src), str(dst), *PACK, "--workers", "0"]
+    tasks = [subprocess.Popen([*command, "--part", f"{i}/3"], stderr=subprocess.PIPE) for i in range(3)]
+    assert [task.wait() for task in tasks] == [0, 0, 0], [task.stderr.read() for task in tasks if task.stderr]
+    (dst / ".pack-plan.json.node7-4242").write_text("{}")  # a copy left by a task killed while staging it
+    assert run("merge", dst)[0] == 0
+    one_shot = tmp_path / "one-shot"
+    assert run("pack", src, one_shot, *PACK, "--workers", "0")[0] == 0
+    assert tree(dst) == tree(one_shot)
