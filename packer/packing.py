@@ -94,10 +94,7 @@ def pack(
     mine = all_partitions if task_part is None else task_part.select(all_partitions)
     done = _finished_parts(dst, plan_record, mine)
     done_indices = {r.partition.index for r in done}
-    if task_part is None:  # everything but the finished partitions goes
-        remove_own_files(dst, keep=partition_files(dst, done_indices) | {PLAN_NAME})
-    else:  # other tasks may be writing their partitions in dst now: only this task's leftovers go
-        remove_files(dst, partition_files(dst, {p.index for p in mine} - done_indices) | {MANIFEST_NAME})
+    _clear_leftovers(dst, done_indices, {p.index for p in mine} - done_indices, whole_plan=task_part is None)
     settings = PackSettings(dst, plan.root, storage, shard_size, spec, on_error, plan_record.fingerprint)
     tasks = [_task(settings, plan, p) for p in mine if p.index not in done_indices]
     total = sum(len(p) for p in mine)
@@ -133,6 +130,17 @@ def _plan_record(
         raise PackError(f"{dst / PLAN_NAME}: written but not readable back (is DST shared by a pack with "
                         "other options?)")
     return saved
+
+
+def _clear_leftovers(dst: Path, done: set[int], todo: set[int], whole_plan: bool) -> None:
+    """Remove what is in the way of packing the ``todo`` partitions. Packing the whole plan, that is
+    every packer file but the plan and the ``done`` partitions' files; packing one task's share, only
+    the files of its own ``todo`` partitions (and a manifest overwritten with ``force``), since other
+    tasks may be writing theirs in ``dst`` at this moment."""
+    if whole_plan:
+        remove_own_files(dst, keep=partition_files(dst, done) | {PLAN_NAME})
+    else:
+        remove_files(dst, partition_files(dst, todo) | {MANIFEST_NAME})
 
 
 def _finished_parts(dst: Path, plan: PlanRecord, partitions: list[Partition]) -> list[PartRecord]:

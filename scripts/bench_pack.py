@@ -7,10 +7,12 @@ with 1 and 2 worker processes, and report the scaling.
 
 Prints one row per variant and worker count: images/s (median of the rounds, and the range), MB
 written, wall seconds, and the CPU seconds spent in the main process and in the worker processes;
-then, per variant, the speed-up of the most workers over the fewest. Every worker decodes, encodes
+then, per variant, the speed-up of the most workers over the fewest. CPU ms/img (all processes'
+CPU time over the images) bounds what an otherwise idle machine reaches: cores / (CPU ms/img). Every worker decodes, encodes
 and writes whole partitions, so the main process only waits. Rounds alternate between worker
 counts, so that a change in the machine's load touches them alike. The source files are read once
-before timing, so every run starts from a warm page cache. Run it under ``flock /tmp/bench.lock`` on
+before timing, so every run starts from a warm page cache; with the torch resampler, torch is
+imported before timing (a one-off 1.7 s a pack here, which would dwarf a 2,000-image run). Run it under ``flock /tmp/bench.lock`` on
 a shared machine.
 """
 from __future__ import annotations
@@ -105,11 +107,13 @@ def main() -> None:
     ensure_images(args.images, args.count)
     files = warm_page_cache(args.images)
     resampler = args.resampler or default_resampler()
+    if resampler == "torch":
+        import torch  # noqa: F401  (a one-off 1.7 s a pack; imported before timing, to time the packing)
     print(f"source: {args.images} ({files} files), pack --resize 256 --crop 224, PIL {PIL.__version__}, "
           f"resampler {resampler}, {len(os.sched_getaffinity(0))} cores, load average "
           f"{os.getloadavg()[0]:.1f}, {args.rounds} rounds")
     print(f"{'variant':<10} {'workers':>7} {'images/s':>9} {'range':>11} {'MB':>7} {'shards':>6} "
-          f"{'seconds':>8} {'main CPU s':>10} {'worker CPU s':>12}")
+          f"{'seconds':>8} {'main CPU s':>10} {'worker CPU s':>12} {'CPU ms/img':>10}")
     for name in args.variants:
         encoding, storage = VARIANTS[name]
         rows: dict[int, list[dict[str, float]]] = {w: [] for w in args.workers}
@@ -123,7 +127,8 @@ def main() -> None:
                 f"{name:<10} {workers:>7} {statistics.median(rates):>9.0f} {f'{rates[0]:.0f}-{rates[-1]:.0f}':>11} "
                 f"{row['mb']:>7.1f} {row['shards']:>6.0f} {statistics.median(r['seconds'] for r in runs):>8.2f} "
                 f"{statistics.median(r['main_cpu'] for r in runs):>10.2f} "
-                f"{statistics.median(r['worker_cpu'] for r in runs):>12.2f}",
+                f"{statistics.median(r['worker_cpu'] for r in runs):>12.2f} "
+                f"{statistics.median(1e3 * (r['main_cpu'] + r['worker_cpu']) / r['images'] for r in runs):>10.2f}",
                 flush=True,
             )
         fewest, most = min(args.workers), max(args.workers)
