@@ -9,6 +9,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from reader.augment import BatchAugment
     from reader.dataset import PackedDataset
     from reader.gpu_dataset import GPUDataset
     from reader.loader import make_loader
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from reader.step_timer import StepTimer
 
 _HOMES = {
+    "BatchAugment": "reader.augment",
     "CUDAPrefetcher": "reader.prefetcher",
     "GPUDataset": "reader.gpu_dataset",
     "PackedDataset": "reader.dataset",

@@ -1,4 +1,4 @@
-"""``CUDAPrefetcher``: overlap the host-to-device copy and normalization of batch k+1 with the step on k.
+"""``CUDAPrefetcher``: overlap the host-to-device copy and augmentation of batch k+1 with the step on k.
 
 The copy runs on one side stream per prefetcher, created once. Before a batch is handed over, the
 consumer's current stream waits on the side stream (a GPU-side wait: the host does not block), and
@@ -6,17 +6,25 @@ every tensor made on the side stream is ``record_stream``-ed on the consumer str
 allocator never hands its memory back to the side stream while the consumer still reads it (the race
 in apex's prefetcher). Without CUDA the same code runs synchronously on the CPU, so training loops do
 not branch.
+
+Resume: the prefetcher holds one batch in advance, so the loader's own position is one batch ahead of
+what the training loop received. ``state_dict()`` is therefore the loader's state snapshotted just
+before the prefetcher pulled the batch after the last one handed over, plus the epoch and the number
+of batches handed over. Augmentation draws come from a generator seeded per batch by
+``(seed, epoch, rank, batch number)``, so they need no saved generator state: a resumed run draws
+exactly what the uninterrupted run drew, and the state is the same on every rank.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
-from reader.augment import BatchAugment, epoch_generator
+from reader.augment import BatchAugment, Images, augment_from, seeded_generator
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]
 
 
 def default_device(device: torch.device | str | None) -> torch.device:
@@ -28,6 +36,19 @@ def default_device(device: torch.device | str | None) -> torch.device:
     return torch.device("cpu")
 
 
+def rank_and_world_size(rank: int | None, world_size: int | None = None) -> tuple[int, int]:
+    """``(rank, world_size)``: the arguments where given, else torch.distributed's when it is
+    initialised, else ``(0, 1)``."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in range for world_size {world_size}")
+    return rank, world_size
+
+
 def forward_set_epoch(loader: object, epoch: int) -> None:
     """Tell the loader (or its batch sampler or sampler, for a plain DataLoader) which epoch starts."""
     for target in (loader, getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
@@ -37,86 +58,136 @@ def forward_set_epoch(loader: object, epoch: int) -> None:
 
 
 class CUDAPrefetcher:
-    """Wraps a loader of ``(uint8 images [B,3,H,W], int64 labels [B])`` and yields device batches
-    ``(dtype images [B,3,H',W'], int64 labels [B])``, normalized and augmented (see ``BatchAugment``
-    for ``mean``/``std`` units and the options).
+    """Wraps a loader of ``(uint8 images, int64 labels [B], *extras)`` batches and yields device batches
+    ``(dtype images [B, 3, H', W'], int64 labels [B], *extras)``, normalized and augmented.
+
+    ``images`` may be a ``[B, 3, H, W]`` tensor or, for a dataset packed without a crop, a list of
+    ``[3, H_i, W_i]`` tensors, which an augmentation then brings to one size (``random_resized_crop``
+    for training, ``center_crop`` with ``resize`` for evaluation). Extras (sample indices, a validity
+    mask: any tensors with first dimension B) are copied to the device unchanged.
+
+    The augmentation is ``augment=BatchAugment(...)``, or built from ``mean``, ``std`` and
+    ``BatchAugment``'s keyword options given here (``flip=True``, ``random_resized_crop=224``, ...).
 
     At most two batches live on the device: the one being consumed and the next one in flight. The
-    loader should pin its memory (``DataLoader(pin_memory=True)``); unpinned batches are pinned here,
-    on the host, before their asynchronous copy. Augmentation draws are seeded by ``(seed, epoch)``:
-    each iteration uses the epoch given to ``set_epoch``, or else the one after the previous iteration.
+    loader should pin its memory (``make_loader`` does when CUDA is there); unpinned batches are pinned
+    here, on the host, before their asynchronous copy.
+
+    Draws are seeded by ``(seed, epoch, rank, batch)``: ``seed`` is the run's seed (the same on every
+    rank), ``rank`` is torch.distributed's when initialised (else 0), so ranks draw differently and
+    every run repeats. Each iteration uses the epoch given to ``set_epoch``, or else the one after the
+    previous iteration. ``state_dict()`` / ``load_state_dict()`` resume exactly after the batches the
+    consumer received (see the module docstring); they need a loader with the same two methods.
     """
 
     def __init__(
         self,
         loader: Iterable[Batch],
-        mean: Sequence[float],
-        std: Sequence[float],
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
         *,
+        augment: BatchAugment | None = None,
         device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        channels_last: bool = False,
-        flip: bool = False,
-        crop: int | Sequence[int] | None = None,
-        random_resized_crop: int | Sequence[int] | None = None,
-        scale: Sequence[float] = (0.08, 1.0),
-        ratio: Sequence[float] = (3 / 4, 4 / 3),
         seed: int = 0,
+        rank: int | None = None,
+        **augment_options: Any,
     ) -> None:
         self.loader = loader
         self.device = default_device(device)
-        self.augment = BatchAugment(
-            mean,
-            std,
-            dtype=dtype,
-            channels_last=channels_last,
-            flip=flip,
-            crop=crop,
-            random_resized_crop=random_resized_crop,
-            scale=scale,
-            ratio=ratio,
-        )
+        self.augment = augment_from(mean, std, augment, augment_options)
         self.seed = seed
+        self.rank = rank_and_world_size(None)[0] if rank is None else rank
         self.epoch = 0
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._resume_at = 0
+        self._position: dict | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next iteration's draws, and forward it to the loader."""
+        """Use ``epoch`` for the next iteration's draws, and forward it to the loader. Moving to another
+        epoch than a loaded state's drops that state's position, as the loader does."""
+        if epoch != self.epoch:
+            self._resume_at = 0
+            self._position = None
         self.epoch = epoch
         forward_set_epoch(self.loader, epoch)
 
-    def __iter__(self) -> Iterator[Batch]:
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        return self._batches(epoch_generator(self.seed, epoch, self.device))
+    def state_dict(self) -> dict:
+        """Where the consumer is: ``{"epoch", "batches" (handed over this epoch), "seed", "loader"}``,
+        the loader's state taken before it produced the batch after those. Between iterations: the
+        position after the last batch handed over."""
+        if self._position is not None:
+            state = dict(self._position)
+        else:
+            state = {"epoch": self.epoch, "batches": self._resume_at, "seed": self.seed, "loader": self._loader_state()}
+        if state["loader"] is None:
+            raise TypeError(
+                f"{type(self.loader).__name__} has no state_dict(): CUDAPrefetcher saves its position only over a "
+                "loader that can save its own (reader.make_loader's can)"
+            )
+        return state
 
-    def _batches(self, generator: torch.Generator) -> Iterator[Batch]:
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict()``: the next iteration yields the batch after the saved ones, with the
+        same augmentation draws as the saved run."""
+        if not hasattr(self.loader, "load_state_dict"):
+            raise TypeError(f"{type(self.loader).__name__} has no load_state_dict(): cannot resume it")
+        self.loader.load_state_dict(state["loader"])
+        self.seed, self.epoch, self._resume_at = state["seed"], state["epoch"], state["batches"]
+        self._position = dict(state)
+
+    def __iter__(self) -> Iterator[Batch]:
+        epoch, first, self.epoch, self._resume_at = self.epoch, self._resume_at, self.epoch + 1, 0
+        return self._batches(epoch, first)
+
+    def _loader_state(self) -> dict | None:
+        return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+
+    def _mark(self, epoch: int, batches: int) -> None:
+        """Record the position after ``batches`` handed over: the loader's state before the next pull."""
+        self._position = {"epoch": epoch, "batches": batches, "seed": self.seed, "loader": self._loader_state()}
+
+    def _batches(self, epoch: int, first: int) -> Iterator[Batch]:
         """Hand over batch k, then start k+1 before the consumer resumes. Closing this generator (an
-        early ``break`` does) drops the batch in flight and the loader's iterator."""
+        early ``break`` does) drops the batch in flight and the loader's iterator; the position stays
+        after the last batch handed over."""
         source = iter(self.loader)
+        number = first
         try:
-            pending = self._start(next(source, None), generator)
+            self._mark(epoch, number)
+            pending = self._start(next(source, None), epoch, number)
             while pending is not None:
                 ready = self._hand_over(pending)
-                pending = self._start(next(source, None), generator)
+                number += 1
+                self._mark(epoch, number)
+                pending = self._start(next(source, None), epoch, number)
                 yield ready
+            self._mark(epoch + 1, 0)
         finally:
             pending = ready = source = None
 
-    def _start(self, batch: Batch | None, generator: torch.Generator) -> Batch | None:
-        """Enqueue the copy and conversion of ``batch`` on the side stream (CPU: compute it now)."""
+    def _start(self, batch: Batch | None, epoch: int, number: int) -> Batch | None:
+        """Enqueue the copy and augmentation of ``batch`` on the side stream (CPU: compute it now)."""
         if batch is None:
             return None
-        images, labels = batch
-        if self.stream is not None:
-            images, labels = (t if t.is_pinned() else t.pin_memory() for t in (images, labels))
+        images, labels, *extras = batch
         context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with context:
-            images = images.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, dtype=torch.int64, non_blocking=True)
-            return self.augment(images, generator), labels
+            images = self._to_device(images)
+            labels = self._to_device(labels).to(torch.int64)
+            extras = [self._to_device(extra) for extra in extras]
+            generator = seeded_generator(self.device, self.seed, epoch, self.rank, number)
+            return (self.augment(images, generator), labels, *extras)
+
+    def _to_device(self, tensors: Images) -> Images:
+        """An asynchronous copy to the device (from pinned memory: unpinned tensors are pinned first)."""
+        if isinstance(tensors, (list, tuple)):
+            return [self._to_device(tensor) for tensor in tensors]
+        if self.stream is not None and not tensors.is_pinned():
+            tensors = tensors.pin_memory()
+        return tensors.to(self.device, non_blocking=True)
 
     def _hand_over(self, batch: Batch) -> Batch:
         """Make the consumer's stream wait for ``batch`` and protect its memory from reuse meanwhile."""

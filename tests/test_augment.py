@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from reader.augment import BatchAugment, epoch_generator, normalization_affine
+from reader.augment import BatchAugment, normalization_affine, seeded_generator
 
 MEAN_01, STD_01 = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 MEAN_255, STD_255 = (123.675, 116.28, 103.53), (58.395, 57.12, 57.375)
@@ -50,7 +50,7 @@ def test_unit_rule() -> None:
 def test_normalization_both_units(batch: torch.Tensor, device: str, units: str) -> None:
     mean, std, unit = (MEAN_01, STD_01, 255.0) if units == "0-1" else (MEAN_255, STD_255, 1.0)
     augment = BatchAugment(mean, std)
-    out = augment(batch.to(device), epoch_generator(0, 0, torch.device(device)))
+    out = augment(batch.to(device), seeded_generator(torch.device(device), 0, 0))
     assert out.dtype == torch.float32 and out.device.type == device
     torch.testing.assert_close(out.cpu().double(), normalize_by_hand(batch, mean, std, unit), atol=1e-5, rtol=0)
 
@@ -58,7 +58,7 @@ def test_normalization_both_units(batch: torch.Tensor, device: str, units: str) 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_dtypes(batch: torch.Tensor, device: str, dtype: torch.dtype) -> None:
-    out = BatchAugment(MEAN_01, STD_01, dtype=dtype)(batch.to(device), epoch_generator(0, 0, torch.device(device)))
+    out = BatchAugment(MEAN_01, STD_01, dtype=dtype)(batch.to(device), seeded_generator(torch.device(device), 0, 0))
     assert out.dtype == dtype
     expected = normalize_by_hand(batch, MEAN_01, STD_01, 255.0).to(dtype)
     torch.testing.assert_close(out.cpu(), expected)
@@ -67,18 +67,18 @@ def test_low_precision_dtypes(batch: torch.Tensor, device: str, dtype: torch.dty
 @pytest.mark.parametrize("device", DEVICES)
 def test_channels_last_in_and_out(batch: torch.Tensor, device: str) -> None:
     images = batch.to(device).contiguous(memory_format=torch.channels_last)
-    out = BatchAugment(MEAN_01, STD_01, channels_last=True)(images, epoch_generator(0, 0, torch.device(device)))
+    out = BatchAugment(MEAN_01, STD_01, channels_last=True)(images, seeded_generator(torch.device(device), 0, 0))
     assert out.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(out.cpu().double(), normalize_by_hand(batch, MEAN_01, STD_01, 255.0), atol=1e-5, rtol=0)
-    plain = BatchAugment(MEAN_01, STD_01)(images, epoch_generator(0, 0, torch.device(device)))
+    plain = BatchAugment(MEAN_01, STD_01)(images, seeded_generator(torch.device(device), 0, 0))
     assert plain.is_contiguous()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_flip_mirrors_exactly_the_drawn_samples(batch: torch.Tensor, device: str) -> None:
     augment = BatchAugment((0.0,) * 3, (1.0,) * 3, flip=True)
-    generator = epoch_generator(3, 0, torch.device(device))
-    draws = augment.draw(len(batch), 20, 24, generator)
+    generator = seeded_generator(torch.device(device), 3, 0)
+    draws = augment.draw([(20, 24)] * len(batch), generator)
     out = augment.apply(batch.to(device), draws).cpu()
     flips = draws.flip.cpu()
     assert 0 < int(flips.sum()) < len(batch), "seed 3 should flip some samples and keep others"
@@ -90,7 +90,7 @@ def test_flip_mirrors_exactly_the_drawn_samples(batch: torch.Tensor, device: str
 @pytest.mark.parametrize("device", DEVICES)
 def test_random_crop_matches_slicing(batch: torch.Tensor, device: str) -> None:
     augment = BatchAugment((0.0,) * 3, (1.0,) * 3, crop=(9, 11), flip=True)
-    draws = augment.draw(len(batch), 20, 24, epoch_generator(1, 0, torch.device(device)))
+    draws = augment.draw([(20, 24)] * len(batch), seeded_generator(torch.device(device), 1, 0))
     out = augment.apply(batch.to(device), draws).cpu()
     assert out.shape == (len(batch), 3, 9, 11)
     tops, lefts = draws.top.cpu().tolist(), draws.left.cpu().tolist()
@@ -105,7 +105,7 @@ def test_random_crop_matches_slicing(batch: torch.Tensor, device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_random_resized_crop_matches_interpolate_per_box(batch: torch.Tensor, device: str) -> None:
     augment = BatchAugment(MEAN_01, STD_01, random_resized_crop=(8, 10), flip=True, scale=(0.2, 1.0))
-    draws = augment.draw(len(batch), 20, 24, epoch_generator(5, 0, torch.device(device)))
+    draws = augment.draw([(20, 24)] * len(batch), seeded_generator(torch.device(device), 5, 0))
     out = augment.apply(batch.to(device), draws).cpu().double()
     assert out.shape == (len(batch), 3, 8, 10)
     boxes = zip(*(t.cpu().tolist() for t in (draws.top, draws.left, draws.height, draws.width, draws.flip)))
@@ -120,7 +120,7 @@ def test_random_resized_crop_matches_interpolate_per_box(batch: torch.Tensor, de
 
 def test_random_resized_crop_falls_back_to_centre_box() -> None:
     augment = BatchAugment((0.5,) * 3, (0.5,) * 3, random_resized_crop=4, scale=(1.0, 1.0), ratio=(2.0, 3.0))
-    draws = augment.draw(3, 20, 20, epoch_generator(0, 0, torch.device("cpu")))
+    draws = augment.draw([(20, 20)] * 3, seeded_generator(torch.device("cpu"), 0, 0))
     # A square 20x20 image cannot hold a box of full area with aspect 2..3: torchvision's fallback is
     # the largest box with the ratio clamped to 2, i.e. 10 rows by 20 columns.
     assert draws.height.tolist() == [10] * 3 and draws.width.tolist() == [20] * 3
@@ -129,21 +129,118 @@ def test_random_resized_crop_falls_back_to_centre_box() -> None:
 def test_draws_are_seeded_and_differ_across_epochs(batch: torch.Tensor) -> None:
     augment = BatchAugment(MEAN_01, STD_01, random_resized_crop=8, flip=True)
     cpu = torch.device("cpu")
-    first = augment(batch, epoch_generator(11, 0, cpu))
-    again = augment(batch, epoch_generator(11, 0, cpu))
-    next_epoch = augment(batch, epoch_generator(11, 1, cpu))
-    other_seed = augment(batch, epoch_generator(12, 0, cpu))
+    first = augment(batch, seeded_generator(cpu, 11, 0))
+    again = augment(batch, seeded_generator(cpu, 11, 0))
+    next_epoch = augment(batch, seeded_generator(cpu, 11, 1))
+    other_seed = augment(batch, seeded_generator(cpu, 12, 0))
     assert torch.equal(first, again)
     assert not torch.equal(first, next_epoch)
     assert not torch.equal(first, other_seed)
 
 
 def test_bad_options_are_refused(batch: torch.Tensor) -> None:
-    with pytest.raises(ValueError, match="either crop or random_resized_crop"):
+    with pytest.raises(ValueError, match="at most one of crop, random_resized_crop and center_crop"):
         BatchAugment(MEAN_01, STD_01, crop=8, random_resized_crop=8)
     with pytest.raises(ValueError, match="larger than the images"):
-        BatchAugment(MEAN_01, STD_01, crop=32)(batch, epoch_generator(0, 0, torch.device("cpu")))
+        BatchAugment(MEAN_01, STD_01, crop=32)(batch, seeded_generator(torch.device("cpu"), 0, 0))
     with pytest.raises(ValueError, match="uint8 batch"):
-        BatchAugment(MEAN_01, STD_01)(batch.float(), epoch_generator(0, 0, torch.device("cpu")))
+        BatchAugment(MEAN_01, STD_01)(batch.float(), seeded_generator(torch.device("cpu"), 0, 0))
     with pytest.raises(ValueError, match="dtype"):
         BatchAugment(MEAN_01, STD_01, dtype=torch.int32)
+
+
+@pytest.fixture(scope="module")
+def ragged(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    """Five RGB PNGs of different sizes (one 3x larger than the outputs below) read back as uint8
+    [3, H_i, W_i]: what the reader yields for a dataset packed without a crop."""
+    folder = tmp_path_factory.mktemp("ragged")
+    rng = np.random.default_rng(3)
+    images = []
+    for i, (height, width) in enumerate([(20, 30), (33, 17), (25, 25), (16, 40), (60, 48)]):
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+        with Image.open(folder / f"{i}.png") as img:
+            images.append(torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1))
+    return images
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("antialias", [False, True])
+def test_random_resized_crop_of_variable_sizes_matches_interpolate(
+    ragged: list[torch.Tensor], device: str, antialias: bool
+) -> None:
+    augment = BatchAugment(MEAN_255, STD_255, random_resized_crop=(12, 10), flip=True, antialias=antialias)
+    generator = seeded_generator(torch.device(device), 4, 0)
+    sizes = [tuple(image.shape[1:]) for image in ragged]
+    draws = augment.draw(sizes, generator)
+    out = augment([image.to(device) for image in ragged], seeded_generator(torch.device(device), 4, 0)).cpu()
+    assert out.shape == (5, 3, 12, 10) and out.dtype == torch.float32
+    boxes = zip(*(t.cpu().tolist() for t in (draws.top, draws.left, draws.height, draws.width, draws.flip)))
+    for i, (top, left, height, width, flipped) in enumerate(boxes):
+        box = ragged[i][None, :, top : top + height, left : left + width].double()
+        resized = F.interpolate(box, size=(12, 10), mode="bilinear", align_corners=False, antialias=antialias)[0]
+        expected = normalize_by_hand(resized.flip(-1) if flipped else resized, MEAN_255, STD_255, 1.0)
+        torch.testing.assert_close(out[i].double(), expected, atol=1e-4, rtol=0)
+
+
+def test_random_resized_crop_boxes_are_drawn_on_each_whole_image(ragged: list[torch.Tensor]) -> None:
+    """Geometry over many draws: every box lies inside its own image, its area is the drawn share of
+    that image's area and its aspect ratio within the range (up to the rounding of each side), and the
+    boxes reach every part of the image, not only a central crop."""
+    augment = BatchAugment(MEAN_01, STD_01, random_resized_crop=8, scale=(0.25, 0.75), ratio=(0.5, 2.0))
+    sizes = [tuple(image.shape[1:]) for image in ragged] * 40
+    draws = augment.draw(sizes, seeded_generator(torch.device("cpu"), 8, 0))
+    top, left, height, width = (t.double() for t in (draws.top, draws.left, draws.height, draws.width))
+    image_h = torch.tensor([h for h, _ in sizes], dtype=torch.float64)
+    image_w = torch.tensor([w for _, w in sizes], dtype=torch.float64)
+    assert bool(((top >= 0) & (left >= 0) & (top + height <= image_h) & (left + width <= image_w)).all())
+    share = height * width / (image_h * image_w)
+    slack = (height + width + 1) / (image_h * image_w)  # each side rounded by at most half a pixel
+    assert bool(((share >= 0.25 - slack) & (share <= 0.75 + slack)).all())
+    aspect = width / height
+    assert bool(((aspect >= 0.5 * (1 - 1 / height) / (1 + 1 / width)) &
+                 (aspect <= 2.0 * (1 + 1 / height) / (1 - 1 / width))).all())
+    assert bool(((top + height == image_h) & (top > 0)).any()) and bool(((left + width == image_w) & (left > 0)).any())
+    assert bool((top == 0).any()) and bool((left == 0).any())
+    assert torch.equal(draws.scale, torch.stack([height, width]) / 8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("antialias", [False, True])
+def test_resize_then_center_crop_matches_an_independent_computation(
+    ragged: list[torch.Tensor], device: str, antialias: bool
+) -> None:
+    augment = BatchAugment(MEAN_01, STD_01, center_crop=(14, 12), resize=16, antialias=antialias)
+    out = augment([image.to(device) for image in ragged], seeded_generator(torch.device(device), 0)).cpu()
+    assert out.shape == (5, 3, 14, 12)
+    for i, image in enumerate(ragged):
+        height, width = image.shape[1:]
+        # torchvision's Resize(16) then CenterCrop((14, 12)), by hand.
+        new_h, new_w = (16, int(16 * width / height)) if height <= width else (int(16 * height / width), 16)
+        resized = F.interpolate(image[None].double(), size=(new_h, new_w), mode="bilinear",
+                                align_corners=False, antialias=antialias)[0]
+        top, left = int(round((new_h - 14) / 2.0)), int(round((new_w - 12) / 2.0))
+        expected = normalize_by_hand(resized[:, top : top + 14, left : left + 12], MEAN_01, STD_01, 255.0)
+        torch.testing.assert_close(out[i].double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_center_crop_of_stored_sizes_is_exact(ragged: list[torch.Tensor], device: str) -> None:
+    out = BatchAugment((0.0,) * 3, (1.0,) * 3, center_crop=16)([image.to(device) for image in ragged],
+                                                             seeded_generator(torch.device(device), 0)).cpu()
+    for i, image in enumerate(ragged):
+        top, left = int(round((image.shape[1] - 16) / 2.0)), int(round((image.shape[2] - 16) / 2.0))
+        torch.testing.assert_close(out[i] * 255, image[:, top : top + 16, left : left + 16].float(), atol=1e-4, rtol=0)
+
+
+def test_variable_sizes_need_an_op_that_makes_one_size(ragged: list[torch.Tensor]) -> None:
+    cpu = seeded_generator(torch.device("cpu"), 0)
+    with pytest.raises(ValueError, match=r"different sizes \(20x30, 33x17, 25x25, \.\.\.\): give random_resized_crop"):
+        BatchAugment(MEAN_01, STD_01, flip=True)(ragged, cpu)
+    with pytest.raises(ValueError, match=r"crop 17x17 is larger than the images \(sample 3 of the batch is 16x40\)"):
+        BatchAugment(MEAN_01, STD_01, crop=17)(ragged, cpu)
+    with pytest.raises(ValueError, match=r"center_crop 20x20 is larger than an image of 20x30 resized to 16x24"):
+        BatchAugment(MEAN_01, STD_01, center_crop=20, resize=16)(ragged, cpu)
+    with pytest.raises(ValueError, match="resize .* given with center_crop"):
+        BatchAugment(MEAN_01, STD_01, resize=16)
+    random_crop = BatchAugment(MEAN_01, STD_01, crop=16)(ragged, cpu)
+    assert random_crop.shape == (5, 3, 16, 16)

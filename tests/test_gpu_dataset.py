@@ -17,7 +17,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class FakePackedDataset:
-    """The interface GPUDataset uses: ``len``, ``manifest.shape``, ``__getitems__``; counts the reads."""
+    """The interface GPUDataset uses: ``len``, ``manifest.shape``, ``read_batch``; counts the reads."""
 
     def __init__(self, images: torch.Tensor, shape: list[int] | None) -> None:
         self.images = images
@@ -28,7 +28,7 @@ class FakePackedDataset:
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         self.reads.append(list(indices))
         batch = self.images[indices].contiguous(memory_format=torch.channels_last)
         return batch, torch.tensor(indices, dtype=torch.int64)
@@ -111,7 +111,7 @@ def test_seeded_reproducible_and_set_epoch(images: torch.Tensor) -> None:
 
 
 def test_refuses_variable_sizes(images: torch.Tensor) -> None:
-    with pytest.raises(ValueError, match="fake-packed: records have different sizes"):
+    with pytest.raises(ValueError, match="fake-packed: records have different sizes, .* read them with make_loader and CUDAPrefetcher"):
         GPUDataset(FakePackedDataset(images, None), "cpu", batch_size=4, mean=MEAN, std=STD)
 
 
@@ -125,7 +125,7 @@ def test_refuses_a_dataset_too_large_for_free_memory(images: torch.Tensor, monke
 
 
 def test_refuses_records_that_contradict_the_manifest(images: torch.Tensor) -> None:
-    with pytest.raises(ValueError, match=r"records 0\.\.10 have shape \(3, 12, 14\), but the manifest says"):
+    with pytest.raises(ValueError, match=r"records 0\.\.10 have shape \(3, 12, 14\), but the manifest \(or record 0\) says \(3, 16, 16\)"):
         GPUDataset(FakePackedDataset(images, [3, 16, 16]), "cpu", batch_size=4, mean=MEAN, std=STD)
 
 
@@ -147,3 +147,88 @@ def test_end_to_end_on_a_packed_dataset(tmp_path: Path, device: str) -> None:
     expected = normalized(torch.from_numpy(np.stack([chw(image) for image in sources])))
     torch.testing.assert_close(batch.cpu().double(), expected, atol=1e-5, rtol=0)
     assert labels.tolist() == [i % 3 for i in range(9)]
+
+
+def test_explicit_ranks_split_one_permutation(images: torch.Tensor) -> None:
+    shares = [GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=2, mean=MEAN, std=STD,
+                         rank=rank, world_size=3, seed=4) for rank in range(3)]
+    indices = [share.epoch_indices(2).tolist() for share in shares]
+    assert [len(i) for i in indices] == [4, 4, 4] and [len(share) for share in shares] == [2, 2, 2]
+    assert set(sum(indices, [])) == set(range(11)) and len(sum(indices, [])) == 12
+    for share, expected in zip(shares, indices):
+        share.set_epoch(2)
+        assert torch.cat([labels for _, labels in share]).tolist() == expected
+    with pytest.raises(ValueError, match="rank 3 is not in range for world_size 3"):
+        GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=2, mean=MEAN, std=STD, rank=3, world_size=3)
+
+
+def test_takes_one_augmentation_object(images: torch.Tensor) -> None:
+    from reader.augment import BatchAugment
+
+    augment = BatchAugment(MEAN, STD, crop=(6, 7))
+    resident = GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, augment=augment)
+    assert resident.augment is augment and next(iter(resident))[0].shape == (4, 3, 6, 7)
+    with pytest.raises(TypeError, match="either augment=BatchAugment"):
+        GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, mean=MEAN, std=STD, augment=augment)
+    with pytest.raises(TypeError, match="give mean and std"):
+        GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, flip=True)
+
+
+def test_torch_subset_and_concat_of_packed_datasets(tmp_path: Path) -> None:
+    from torch.utils.data import ConcatDataset, Subset
+
+    from reader import PackedDataset
+    from reader_helpers import chw, make_images, write_dataset
+
+    sources = make_images(9, [(16, 20)])
+    write_dataset(tmp_path / "a", sources, [i % 3 for i in range(9)], storage="lmdb", encoding="raw", records_per_shard=4)
+    write_dataset(tmp_path / "b", sources[:4], [2, 1, 0, 2], storage="hdf5", encoding="raw", records_per_shard=4)
+    first, second = PackedDataset(tmp_path / "a"), PackedDataset(tmp_path / "b")
+    pixels = normalized(torch.from_numpy(np.stack([chw(image) for image in sources])))
+    for dataset, rows, labels in [
+        (Subset(first, [7, 2, 5]), [7, 2, 5], [1, 2, 2]),
+        (ConcatDataset([first, second]), list(range(9)) + [0, 1, 2, 3], [i % 3 for i in range(9)] + [2, 1, 0, 2]),
+    ]:
+        resident = GPUDataset(dataset, "cpu", batch_size=len(rows), mean=MEAN, std=STD, shuffle=False,
+                              load_batch_size=2)
+        batch, got_labels = next(iter(resident))
+        torch.testing.assert_close(batch.double(), pixels[rows], atol=1e-5, rtol=0)
+        assert got_labels.tolist() == labels
+
+
+def test_refuses_a_subset_of_variable_sizes(tmp_path: Path) -> None:
+    from torch.utils.data import Subset
+
+    from reader import PackedDataset
+    from reader_helpers import make_images, write_dataset
+
+    path = write_dataset(tmp_path, make_images(4, [(16, 20), (12, 12)]), [0, 1, 2, 0], storage="lmdb",
+                         encoding="raw", records_per_shard=4)
+    with pytest.raises(ValueError, match=r"Subset \(records 0\.\.2\): records have different sizes, .* CUDAPrefetcher"):
+        GPUDataset(Subset(PackedDataset(path), [0, 1, 2]), "cpu", batch_size=2, mean=MEAN, std=STD)
+
+
+def test_resume_after_k_batches_equals_the_uninterrupted_run(images: torch.Tensor) -> None:
+    def resident() -> GPUDataset:
+        return GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=3, mean=MEAN, std=STD,
+                          seed=6, random_resized_crop=8, flip=True)
+
+    run = resident()
+    epochs, saved = [], None
+    for epoch in range(2):
+        run.set_epoch(epoch)
+        batches = []
+        for batch in run:
+            batches.append(batch)
+            if epoch == 0 and len(batches) == 2:
+                saved = run.state_dict()
+        epochs.append(batches)
+    assert saved == {"epoch": 0, "batches": 2, "seed": 6}
+    assert run.state_dict() == {"epoch": 2, "batches": 0, "seed": 6}
+    resumed = resident()
+    resumed.load_state_dict(saved)
+    for epoch, expected in ((0, epochs[0][2:]), (1, epochs[1])):
+        resumed.set_epoch(epoch)
+        got = list(resumed)
+        assert len(got) == len(expected)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
