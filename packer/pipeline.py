@@ -157,15 +157,14 @@ def pack_partitions(
     context = multiprocessing.get_context("fork")
     todo, results = context.Queue(), context.Queue()
     done_count, stop = context.Value("q", 0), context.Event()
-    for task in tasks:
-        todo.put(task)
     processes = [
         context.Process(target=_worker, args=(todo, results, done_count, stop), daemon=True)
         for _ in range(min(workers, len(tasks)))
     ]
-    for process in processes:
-        todo.put(None)
+    for process in processes:  # forked before this process starts the queue's feeder thread
         process.start()
+    for task in [*tasks, *[None] * len(processes)]:
+        todo.put(task)
     records: dict[int, PartRecord] = {}
     reported = 0
     try:
