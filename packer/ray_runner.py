@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from packer.errors import PackError
 from packer.journal import PartRecord
+from packer.malloc_tuning import reuse_large_allocations
 from packer.pipeline import PartitionTask, pack_partition
 
 LOCAL = "local"
@@ -46,8 +47,14 @@ def ray_runner(address: str = LOCAL, num_cpus: int | None = None) -> Callable[..
     return run
 
 
+def _pack_on_a_node(task: PartitionTask) -> PartRecord:
+    """The Ray task: one partition, packed by a Ray worker process with the packer's malloc settings."""
+    reuse_large_allocations()
+    return pack_partition(task)
+
+
 def _run_tasks(ray: Any, tasks: list[PartitionTask], on_records: Callable[[int], Any]) -> list[PartRecord]:
-    remote = ray.remote(num_cpus=1, max_retries=TASK_RETRIES, retry_exceptions=False)(pack_partition)
+    remote = ray.remote(num_cpus=1, max_retries=TASK_RETRIES, retry_exceptions=False)(_pack_on_a_node)
     refs = [remote.remote(task) for task in tasks]
     size = {ref: len(task.partition) for ref, task in zip(refs, tasks)}
     pending = list(refs)

@@ -48,7 +48,7 @@ def test_ray_pack_survives_a_killed_task_and_equals_a_local_pack(
     manifest = packer.pack(src, dst, runner=counting_runner, **OPTIONS)
     killer.join()
     assert killed, "no shard was seen being written, so no task was killed"
-    assert killed[0].startswith("ray::pack_partition"), killed
+    assert killed[0].startswith("ray::_pack_on_a_node"), killed
     assert manifest is not None and manifest.num_records == 48
     assert sum(progress) == 48
     assert tree(dst) == tree(local)
