@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from packer.transforms import TransformSpec, encode, load_image
+from packer.transforms import TransformSpec, encode, load_image, load_raw_record
 
 
 class Encoded(NamedTuple):
@@ -33,11 +33,12 @@ def encode_file(path: str, spec: TransformSpec) -> Encoded | Failure:
     file's ``Failure``, so that one bad file can be skipped rather than stop the whole pack.
     """
     try:
+        if spec.encoding == "raw":
+            return Encoded(*load_raw_record(path, spec))
         img = load_image(path, spec)
-        payload = encode(img, spec.encoding, spec.quality)
+        return Encoded(encode(img, spec.encoding, spec.quality), img.height, img.width)
     except Exception as e:
         return Failure(describe_failure(e))
-    return Encoded(payload, img.height, img.width)
 
 
 def describe_failure(error: Exception) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import numpy as np
 import PIL
@@ -53,10 +54,11 @@ def resampler_library(resampler: str) -> str:
     return f"{'pillow-simd' if is_pillow_simd() else 'Pillow'} {PIL.__version__}"
 
 
-def torch_resize(img: Image.Image, size: tuple[int, int], box: tuple[int, int, int, int] | None = None) -> Image.Image:
+def torch_resize(img: Image.Image, size: tuple[int, int], box: tuple[int, int, int, int] | None = None) -> Any:
     """``img`` (RGB or RGBX) resized to ``size`` (width, height) by torch's uint8 antialiased bilinear
     ``interpolate`` on a channels-last view of its pixels, then cut to ``box`` (left, top, right,
-    bottom; inside ``size``) when given; an RGB image."""
+    bottom; inside ``size``) when given: a ``(3, H, W)`` uint8 tensor (a strided view; the caller
+    makes it contiguous in the layout it needs)."""
     import torch
 
     global _threads_set_in
@@ -70,6 +72,4 @@ def torch_resize(img: Image.Image, size: tuple[int, int], box: tuple[int, int, i
     out = torch.nn.functional.interpolate(
         batch, size=(size[1], size[0]), mode="bilinear", antialias=True, align_corners=False
     )[0, :3]
-    if box is not None:
-        out = out[:, box[1] : box[3], box[0] : box[2]]
-    return Image.fromarray(out.permute(1, 2, 0).contiguous().numpy(), "RGB")
+    return out if box is None else out[:, box[1] : box[3], box[0] : box[2]]

@@ -41,7 +41,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import simplejpeg
@@ -76,6 +76,7 @@ _ORIENTATION_TRANSPOSE = {
     8: Image.Transpose.ROTATE_90,
 }
 _TURBO_COLOURSPACES = {"RGB": "RGBX", "L": "GRAY"}
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -179,15 +180,25 @@ def center_crop_box(width: int, height: int, crop: tuple[int, int]) -> tuple[int
     return left, top, left + crop_width, top + crop_height
 
 
+def _crop_box(
+    target: tuple[int, int], crop: tuple[int, int] | None
+) -> tuple[tuple[int, int, int, int] | None, bool]:
+    """The center crop's box in an image of size ``target`` (None without a crop), and whether it lies
+    inside the image (else the crop pads)."""
+    box = None if crop is None else center_crop_box(*target, crop)
+    inside = box is not None and box[0] >= 0 and box[1] >= 0 and box[2] <= target[0] and box[3] <= target[1]
+    return box, inside
+
+
 def resize_and_crop(
     img: Image.Image, target: tuple[int, int], crop: tuple[int, int] | None, resampler: str = "pil"
 ) -> Image.Image:
     """Resize ``img`` to ``target`` then center-crop it to ``crop``. The PIL resampler resamples only
     the kept box; torch resizes the whole image, then it is cropped."""
-    box = None if crop is None else center_crop_box(*target, crop)
-    inside = box is not None and box[0] >= 0 and box[1] >= 0 and box[2] <= target[0] and box[3] <= target[1]
+    box, inside = _crop_box(target, crop)
     if resampler == "torch" and img.size != target:
-        out = torch_resize(img, target, box if inside else None)
+        pixels = torch_resize(img, target, box if inside else None)
+        out = Image.fromarray(pixels.permute(1, 2, 0).contiguous().numpy(), "RGB")
         return out if inside or box is None else out.crop(box)  # a crop larger than the image pads
     if not inside:
         out = img if img.size == target else img.resize(target, Image.BILINEAR)
@@ -205,6 +216,22 @@ def load_image(path: str | Path, spec: TransformSpec) -> Image.Image:
     ``DecompressionBombWarning`` (as an error) or ``DecompressionBombError`` for an image larger than
     ``max_pixels``, and ``ValueError`` for a zero-size image; the caller turns these into file errors.
     """
+    return _load(path, spec, _resized_image)
+
+
+def load_raw_record(path: str | Path, spec: TransformSpec) -> tuple[bytes, int, int]:
+    """``load_image`` then the ``raw`` encoding: ``(payload, height, width)``, the same bytes as
+    ``encode(load_image(path, spec), "raw", ...)``. With the torch resampler the channel-major payload
+    comes straight from the resized tensor, skipping a PIL image (0.2-0.3 ms an image here)."""
+    return _load(path, spec, _raw_record)
+
+
+def _load(
+    path: str | Path, spec: TransformSpec,
+    finish: Callable[[Image.Image, Image.Image, tuple[int, int], TransformSpec], T],
+) -> T:
+    """Open ``path``, apply the steps up to the colour rule, and hand the upright RGB(X) image to
+    ``finish(image, opened, resize target, spec)`` while the opened file is still open."""
     data = Path(path).read_bytes()
     with _pixel_limit(spec.max_pixels), Image.open(io.BytesIO(data)) as img:
         width, height = img.size
@@ -217,11 +244,27 @@ def load_image(path: str | Path, spec: TransformSpec) -> Image.Image:
         out = _decode(img, data, draft)
         if orientation in _ORIENTATION_TRANSPOSE:
             out = out.transpose(_ORIENTATION_TRANSPOSE[orientation])
-        out = to_rgb(out)
-        out = resize_and_crop(out, target, spec.crop_size, spec.resampler)
-        if out.mode == "RGBX":
-            return out.convert("RGB")
-        return img.copy() if out is img else out
+        return finish(to_rgb(out), img, target, spec)
+
+
+def _resized_image(
+    out: Image.Image, opened: Image.Image, target: tuple[int, int], spec: TransformSpec
+) -> Image.Image:
+    out = resize_and_crop(out, target, spec.crop_size, spec.resampler)
+    if out.mode == "RGBX":
+        return out.convert("RGB")
+    return opened.copy() if out is opened else out
+
+
+def _raw_record(
+    out: Image.Image, opened: Image.Image, target: tuple[int, int], spec: TransformSpec
+) -> tuple[bytes, int, int]:
+    box, inside = _crop_box(target, spec.crop_size)
+    if spec.resampler == "torch" and out.size != target and (inside or box is None):
+        pixels = torch_resize(out, target, box)  # (3, H, W)
+        return pixels.contiguous().numpy().tobytes(), pixels.shape[1], pixels.shape[2]
+    image = _resized_image(out, opened, target, spec)
+    return encode(image, "raw", spec.quality), image.height, image.width
 
 
 def _decode(img: Image.Image, data: bytes, draft: tuple[int, int] | None) -> Image.Image:

@@ -16,7 +16,7 @@ import packer.resampling
 from pack_helpers import raw_pixels, read_packed_records, reference_pixels, smooth_rgb
 from packer.cli import main
 from packer.resampling import default_resampler, is_pillow_simd
-from packer.transforms import TransformSpec, load_image
+from packer.transforms import TransformSpec, encode, load_image, load_raw_record
 
 
 def noisy_photo(path: Path, width: int, height: int, seed: int) -> Path:
@@ -89,3 +89,15 @@ def test_the_default_is_pil_with_pillow_simd_and_torch_with_plain_pillow(monkeyp
     assert default_resampler() == "pil"
     monkeypatch.setattr(packer.resampling.PIL, "__version__", "12.1.1")
     assert default_resampler() == "torch"
+
+
+@pytest.mark.parametrize("resampler", ["pil", "torch"])
+@pytest.mark.parametrize(("resize", "crop"), [(32, 24), (32, None), (20, 28), (None, 40), (40, 40)])
+def test_the_raw_record_is_the_encoded_image(tmp_path: Path, resampler: str, resize: int | None,
+                                             crop: int | None) -> None:
+    """``load_raw_record`` (torch's shortcut from the tensor) gives the bytes of ``encode(load_image())``:
+    with a crop, without, a padding crop, no resize, a resize to the image's own size."""
+    path = noisy_photo(tmp_path / "a.png", 40 if resize == 40 else 61, 40 if resize == 40 else 47, seed=1)
+    spec = TransformSpec(resize=resize, crop=crop, resampler=resampler)
+    image = load_image(path, spec)
+    assert load_raw_record(path, spec) == (encode(image, "raw", 90), image.height, image.width)
