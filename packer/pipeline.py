@@ -36,6 +36,7 @@ from packer.transforms import TransformSpec
 
 _PROGRESS_SECONDS = 0.2
 
+
 @dataclass(frozen=True)
 class PackSettings:
     """What every partition of one pack shares: where, how, and the plan's fingerprint."""
