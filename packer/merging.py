@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from packer.destination import PLAN_NAME, part_record_name
+from packer.destination import PLAN_NAME, remove_own_files
 from packer.errors import PackError
 from packer.journal import PartRecord, PlanRecord, part_problem
 from reader.format import MANIFEST_NAME, Manifest
@@ -42,13 +42,11 @@ def merge_parts(dst: str | os.PathLike) -> Manifest:
 
 def write_manifest(dst: Path, plan: PlanRecord, records: list[PartRecord]) -> Manifest:
     """The manifest of the finished partitions ``records`` (all of them, in partition order), written
-    atomically to ``dst``; then the plan and part records, no longer needed, are removed."""
+    atomically to ``dst``; then every other packer file there (plan and part records, leftovers) goes."""
     manifest = assemble_manifest(plan, records)
     manifest.write(dst)
-    for partition in plan.partitions:
-        (dst / part_record_name(partition.index)).unlink(missing_ok=True)
-    for plan_file in [dst / PLAN_NAME, *dst.glob(f"{PLAN_NAME}.*")]:  # with copies left by killed tasks
-        plan_file.unlink(missing_ok=True)
+    # the plan and part records, copies of the plan left by killed tasks, files of an older plan
+    remove_own_files(dst, keep={MANIFEST_NAME} | {s.file for s in manifest.shards})
     return manifest
 
 

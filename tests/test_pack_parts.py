@@ -142,6 +142,8 @@ def test_tasks_started_at_the_same_moment_share_dst_safely(tmp_path: Path, src: 
     tasks = [subprocess.Popen([*command, "--part", f"{i}/3"], stderr=subprocess.PIPE) for i in range(3)]
     assert [task.wait() for task in tasks] == [0, 0, 0], [task.stderr.read() for task in tasks if task.stderr]
     (dst / ".pack-plan.json.node7-4242").write_text("{}")  # a copy left by a task killed while staging it
+    (dst / "part-00009-shard-00000.lmdb").write_text("")  # files of an older plan with more partitions
+    (dst / ".part-00009.json").write_text("{}")
     assert run("merge", dst)[0] == 0
     one_shot = tmp_path / "one-shot"
     assert run("pack", src, one_shot, *PACK, "--workers", "0")[0] == 0
