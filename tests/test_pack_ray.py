@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+from click.testing import CliRunner
 
 import packer
 from pack_helpers import kill_a_writer
+from packer.cli import main
 from packer.ray_runner import ray_runner
 
 ray = pytest.importorskip("ray")
@@ -61,3 +63,15 @@ def test_a_bad_image_fails_the_ray_pack_naming_it(
     (src / "dog" / "002.png").write_text("not a png")
     with pytest.raises(packer.PackError, match=r"dog/002\.png: not an image"):
         packer.pack(src, tmp_path / "out", runner=ray_runner(), **{**OPTIONS, "partitions": 2})
+
+
+def test_the_cli_packs_on_ray(tmp_path: Path, make_image_folder: Callable[..., Path], local_ray: None) -> None:
+    """``packer pack --ray`` (here on the already started local instance, which it leaves running)."""
+    src = make_image_folder(tmp_path / "src", per_class=4)
+    args = [str(src), "--resize", "16", "--partitions", "3", "--resampler", "pil", "--quiet"]
+    result = CliRunner().invoke(main, ["pack", *args[:1], str(tmp_path / "ray"), *args[1:], "--ray"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("packed 8 images into 3 lmdb shards")
+    assert ray.is_initialized()
+    assert CliRunner().invoke(main, ["pack", *args[:1], str(tmp_path / "local"), *args[1:]]).exit_code == 0
+    assert tree(tmp_path / "ray") == tree(tmp_path / "local")
