@@ -1,6 +1,7 @@
 """An interrupted pack leaves no manifest, and a rerun redoes only the partitions that did not finish."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -115,26 +116,36 @@ def test_kill_9_of_the_whole_process_group_at_random_points_then_a_rerun_gives_i
     tmp_path: Path, make_image_folder: Callable[..., Path]
 ) -> None:
     """The real CLI with two worker processes, killed (SIGKILL to its process group, workers included)
-    at seeded random moments of its run, again and again; the final rerun must equal a clean pack."""
+    at seeded random points of its run, again and again; the final rerun must equal a clean pack.
+
+    A point is "once k more partitions are finished and a shard is being written, plus 0-30 ms", so
+    the kills land inside the work however fast or loaded the machine is."""
     src = make_image_folder(tmp_path / "src", classes=("a", "b", "c"), per_class=16, size=(240, 180))
 
     def command(dst: Path) -> list[str]:
         return [sys.executable, "-m", "packer", "pack", str(src), str(dst), "--resize", "48", "--crop", "48",
                 "--partitions", "8", "--shard-size", "15KB", "--workers", "2", "--quiet"]
 
-    clean = tmp_path / "clean"
-    start = time.monotonic()
-    subprocess.run(command(clean), check=True, capture_output=True)
-    seconds = time.monotonic() - start
+    def finished_parts(names: list[str]) -> int:
+        return sum(name.startswith(".part-") and name.endswith(".json") for name in names)
 
+    clean = tmp_path / "clean"
+    subprocess.run(command(clean), check=True, capture_output=True)
     dst = tmp_path / "out"
     rng = random.Random(10)
     interrupted = 0
     for _ in range(5):
+        target = finished_parts(os.listdir(dst) if dst.is_dir() else []) + rng.randrange(3)
         process = subprocess.Popen(command(dst), start_new_session=True, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.2, 0.9) * seconds)
-        os.killpg(process.pid, signal.SIGKILL)
+        while process.poll() is None:
+            names = os.listdir(dst) if dst.is_dir() else []
+            if finished_parts(names) >= target and any(name.endswith(".tmp") for name in names):
+                time.sleep(rng.uniform(0, 0.03))
+                break
+            time.sleep(0.001)
+        with contextlib.suppress(ProcessLookupError):  # unless it finished first
+            os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         if (dst / MANIFEST_NAME).exists():
             break
@@ -142,7 +153,10 @@ def test_kill_9_of_the_whole_process_group_at_random_points_then_a_rerun_gives_i
     assert interrupted >= 1, "no kill landed before the pack finished"
     if not (dst / MANIFEST_NAME).exists():
         subprocess.run(command(dst), check=True, capture_output=True)
-    assert tree(dst) == tree(clean)
+    # A kill in the few milliseconds between writing the manifest and removing the hidden plan and part
+    # records leaves those behind: the dataset is complete and identical, the records are just unused.
+    dataset = {name: data for name, data in tree(dst).items() if not name.startswith((".pack-plan.json", ".part-"))}
+    assert dataset == tree(clean)
 
 
 def test_a_worker_process_killed_mid_shard_fails_the_pack_clearly_and_a_rerun_finishes(
