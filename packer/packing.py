@@ -168,7 +168,7 @@ def _transform_spec(
     resampler: str | None,
 ) -> TransformSpec:
     try:
-        return TransformSpec(resize, crop, encoding, quality, max_pixels, resampler or default_resampler())
+        return TransformSpec(resize, crop, encoding, quality, max_pixels, resampler=resampler or default_resampler())
     except ValueError as e:
         raise PackError(str(e)) from None
 
