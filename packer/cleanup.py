@@ -16,14 +16,17 @@ import signal
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from packer.errors import PackError
 
 # A write that fails while less than this is free counts as a full disk: the largest single write of a
 # pack is an LMDB commit of 64 MiB.
 NEARLY_FULL_BYTES = 64 << 20
-_TEMPORARY = re.compile(r"(shard-\d{5}\.(lmdb|h5)\.(tmp|spool)|manifest\.json\.tmp|\.pack-journal\.json\.tmp)")
+_TEMPORARY = re.compile(
+    r"(part-(?P<partition>\d{5,})-)?shard-\d{5,}\.(lmdb|h5)\.(tmp|spool)|manifest\.json\.tmp"
+    r"|\.part-(?P<record>\d{5,})\.json\.tmp|\.pack-(journal|plan)\.json\.tmp"
+)
 
 
 class Terminated(BaseException):
@@ -32,25 +35,34 @@ class Terminated(BaseException):
 
 
 @contextmanager
-def cleaned_up_on_failure(dst: Path) -> Iterator[None]:
-    """Run a pack into ``dst``; on any exception remove DST's temporaries, and report a full disk."""
+def cleaned_up_on_failure(dst: Path, partitions: Iterable[int] | None = None) -> Iterator[None]:
+    """Run a pack into ``dst``; on any exception remove DST's temporaries, and report a full disk.
+
+    ``partitions``: when only these partitions are packed (one task of ``--part``), only their own
+    temporaries are removed, since other tasks may be writing theirs in ``dst`` at the same time."""
     with _sigterm_raises():
         try:
             yield
         except BaseException as e:
             full = _disk_full(e, dst)
-            remove_temporaries(dst)
+            remove_temporaries(dst, partitions)
             if full is not None:
                 raise full from None
             raise
 
 
-def remove_temporaries(dst: Path) -> None:
-    """Delete the packer's temporary files in ``dst`` (never finished shards, the journal or others)."""
+def remove_temporaries(dst: Path, partitions: Iterable[int] | None = None) -> None:
+    """Delete the packer's temporary files in ``dst`` (never finished shards, part records or others);
+    with ``partitions``, only the temporary shards and part records of those partitions."""
     if not dst.is_dir():
         return
+    own = None if partitions is None else set(partitions)
     for entry in os.scandir(dst):
-        if _TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+        match = _TEMPORARY.fullmatch(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        partition = match.group("partition") or match.group("record")
+        if own is None or (partition is not None and int(partition) in own):
             Path(entry.path).unlink(missing_ok=True)
 
 

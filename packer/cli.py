@@ -14,8 +14,12 @@ import click
 from packer.cleanup import Terminated
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, describe_transform, info
+from packer.joining import join_datasets
+from packer.merging import merge_parts
 from packer.packing import ON_ERROR, pack
 from packer.sources import LABEL_KINDS
+from packer.ray_runner import ray_runner
+from packer.resampling import RESAMPLERS
 from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
 from packer.verification import verify
 from packer.version import __version__
@@ -94,24 +98,62 @@ def main() -> None:
               help="Source files larger than this are refused (a per-file error).")
 @click.option("--label-kind", type=click.Choice(LABEL_KINDS), default="auto", show_default=True,
               help="CSV labels: index (integers 0..N-1), name (class names), auto (refuses a mix).")
+@click.option("--partitions", type=click.IntRange(min=1),
+              help="Cut the plan into this many partitions [default: from the record count alone].")
+@click.option("--part", help="Pack only task I's share of the partitions (I/N, 0-based), or `slurm` to read "
+              "SLURM_ARRAY_TASK_ID/_COUNT/_MIN; then `packer merge DST` once every task is done.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", metavar="[ADDRESS]",
+              help="Pack the partitions as Ray tasks: on a local Ray instance (no ADDRESS; --workers CPUs), or "
+              "on the cluster at ADDRESS (auto, host:port, ray://host:port). Needs the ray extra.")
+@click.option("--resampler", type=click.Choice(RESAMPLERS),
+              help="Who resizes [default: pil with pillow-simd, torch with plain Pillow].")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def pack_command(src: Path, dst: Path, labels: Path | None, storage: str,
                  resize: int | tuple[int, int] | None, crop: int | tuple[int, int] | None,
                  encoding: str, quality: int, shard_size: int, workers: int | None, on_error: str,
-                 force: bool, max_pixels: int, max_file_bytes: int, label_kind: str, quiet: bool) -> None:
+                 force: bool, max_pixels: int, max_file_bytes: int, label_kind: str,
+                 partitions: int | None, part: str | None, ray_address: str | None, resampler: str | None,
+                 quiet: bool) -> None:
     """Pack the images under SRC (one sub-folder per class, or --labels) into the dataset DST."""
     try:
         manifest = pack(src, dst, labels=labels, storage=storage, resize=resize, crop=crop,
                         encoding=encoding, quality=quality, shard_size=shard_size, workers=workers,
                         on_error=on_error, force=force, progress=not quiet, max_pixels=max_pixels,
-                        max_file_bytes=max_file_bytes, label_kind=label_kind)
+                        max_file_bytes=max_file_bytes, label_kind=label_kind,
+                        partitions=partitions, part=part, resampler=resampler,
+                        runner=None if ray_address is None else ray_runner(ray_address, workers or None))
     except (PackError, FormatError) as e:
         raise click.ClickException(str(e)) from None
     except (Terminated, KeyboardInterrupt) as e:
         click.echo(f"Error: {dst}: interrupted ({str(e) or 'SIGINT'}); temporary files removed, "
                    "rerun the same command to resume", err=True)
         raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143) from None
-    _print_pack_summary(dst, manifest)
+    if manifest is None:
+        click.echo(f"packed part {part} at {dst}; run `packer merge {dst}` once every part is done")
+    else:
+        _print_pack_summary(dst, manifest)
+
+
+@main.command("merge")
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("inputs", nargs=-1, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite a finished dataset at DST (when joining).")
+def merge_command(dst: Path, inputs: tuple[Path, ...], force: bool) -> None:
+    """`merge DST`: finish DST, packed part by part with `pack --part` (check every part, write the
+    manifest). `merge DST A B ...`: join the finished datasets A, B, ... into the new dataset DST."""
+    try:
+        if not inputs:
+            if not dst.is_dir():
+                raise PackError(f"{dst}: no such directory")
+            _print_pack_summary(dst, merge_parts(dst))
+            return
+        report = join_datasets(dst, list(inputs), force=force)
+    except (PackError, FormatError) as e:
+        raise click.ClickException(str(e)) from None
+    manifest = report.manifest
+    how = f"{report.linked} hard-linked (no bytes copied), {report.copied} copied"
+    click.echo(f"joined {len(inputs)} datasets into {dst}: {manifest.num_records} images in "
+               f"{len(manifest.classes)} classes, {len(manifest.shards)} shards ({how})")
 
 
 @main.command("info")

@@ -2,7 +2,7 @@
 
 A finished dataset (``manifest.json`` present) is never overwritten without ``force``, and neither is
 a directory holding files the packer did not write. Leftovers of an interrupted pack (shard files,
-their temporaries, the journal) are the packer's own and may be removed.
+their temporaries, the plan and partition records) are the packer's own and may be removed.
 """
 from __future__ import annotations
 
@@ -11,12 +11,28 @@ from pathlib import Path
 from typing import Iterable
 
 from packer.errors import PackError
-from reader.format import MANIFEST_NAME
+from reader.format import MANIFEST_NAME, shard_file_name
 
-JOURNAL_NAME = ".pack-journal.json"
+PLAN_NAME = ".pack-plan.json"
+_SHARD = r"(part-\d{5,}-)?shard-\d{5,}\.(lmdb|h5)(\.tmp|\.spool)?"  # shard-00000: datasets before partitions
 _OWN_FILE = re.compile(
-    rf"(shard-\d{{5}}\.(lmdb|h5)(\.tmp|\.spool)?|{re.escape(MANIFEST_NAME)}|{re.escape(JOURNAL_NAME)})(\.tmp)?"
+    rf"({_SHARD}|\.part-\d{{5,}}\.json|{re.escape(MANIFEST_NAME)}|{re.escape(PLAN_NAME)}(\.[\w.-]+-\d+)?"
+    r"|\.pack-journal\.json)(\.tmp)?"  # the journal: before partitions
 )
+
+_PARTITION_FILE = re.compile(
+    r"part-(\d{5,})-shard-\d{5,}\.(?:lmdb|h5)(?:\.tmp|\.spool)?|\.part-(\d{5,})\.json(?:\.tmp)?"
+)
+
+
+def partition_shard_name(partition: int, shard: int, storage: str) -> str:
+    """The file name of shard ``shard`` of partition ``partition``: names sort in dataset order."""
+    return f"part-{partition:05d}-{shard_file_name(shard, storage)}"
+
+
+def part_record_name(partition: int) -> str:
+    """The file that marks partition ``partition`` as finished (see ``packer.journal``)."""
+    return f".part-{partition:05d}.json"
 
 
 def is_own_file(name: str) -> bool:
@@ -41,6 +57,23 @@ def check_destination(dst: Path, force: bool) -> None:
             f"{dst}: destination holds files the packer did not write ({shown}); "
             "choose an empty or new directory, or pass --force to pack into it anyway"
         )
+
+
+def partition_files(dst: Path, partitions: Iterable[int]) -> set[str]:
+    """The names of the files in ``dst`` that belong to ``partitions``: shards, temporaries, part records."""
+    wanted = set(partitions)
+    names = set()
+    for entry in dst.iterdir():
+        match = _PARTITION_FILE.fullmatch(entry.name)
+        if match and int(match.group(1) or match.group(2)) in wanted:
+            names.add(entry.name)
+    return names
+
+
+def remove_files(dst: Path, names: Iterable[str]) -> None:
+    """Delete the named files from ``dst`` where they exist."""
+    for name in names:
+        (dst / name).unlink(missing_ok=True)
 
 
 def remove_own_files(dst: Path, keep: Iterable[str] = ()) -> None:

@@ -79,7 +79,8 @@ def _describe_known_transform(transform: dict[str, Any]) -> str:
     elif resize:
         parts.append("resize to {}x{}".format(*resize["size"]))
     if resize:
-        parts.append(f"{transform.get('filter')}{' antialiased' if transform.get('antialias') else ''}")
+        library = f" ({transform['resampler_library']})" if transform.get("resampler_library") else ""
+        parts.append(f"{transform.get('filter')}{' antialiased' if transform.get('antialias') else ''}{library}")
     crop = transform.get("crop")
     if crop:
         parts.append("center crop {}x{}".format(*crop["size"]))

@@ -1,75 +1,130 @@
-"""The pack journal: what an unfinished pack has written, so that a rerun resumes instead of restarting.
+"""What an unfinished pack has written, so that a rerun (or ``packer merge``) knows what is done.
 
-``DST/.pack-journal.json`` (written atomically after every finished shard) holds a fingerprint of the
-plan and options, each finished shard's ``ShardInfo``, the plan position each shard ends at, and the
-files skipped so far. A rerun with the same fingerprint keeps the leading shards whose checksum still
-matches and goes on from the end of the last one; anything else starts over. The journal is removed
-once ``manifest.json`` is written. Resuming assumes the source files did not change in between.
+Two kinds of small JSON files in DST, each written atomically:
+
+- ``.pack-plan.json``: the fingerprint of the plan and options, the partitions' position ranges and
+  everything the manifest needs besides the shards (classes, transform, source summary). Written by
+  whoever starts packing the plan; every task of one job writes the same bytes.
+- ``.part-NNNNN.json``, one per *finished* partition, written after its last shard is published: the
+  fingerprint, its range, its shards (``ShardInfo``) and the files it skipped. Its presence, with a
+  matching fingerprint and shards whose size and checksum still match, is what "partition done" means.
+
+A rerun keeps the partitions that are done and redoes every other one from scratch. All of these files
+are removed once ``manifest.json`` is written. Resuming assumes the source files did not change.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from packer.destination import JOURNAL_NAME
+from packer.destination import PLAN_NAME, part_record_name
+from packer.partitions import Partition
 from packer.sources import Plan, Skipped
 from reader.format import ShardInfo, file_checksum
-from reader.format.manifest import write_file_atomically
+from reader.format.manifest import fsync_directory, write_file_atomically
 
 
 @dataclass
-class Journal:
-    """Finished shards (with the plan position each ends at) and the skipped files before that point.
-
-    ``skipped`` pairs each skipped file with its plan position, so that a resume keeps exactly the
-    ones before the point it restarts from.
-    """
+class PlanRecord:
+    """The plan as the partitions' tasks and ``merge`` see it: no paths, only what the manifest needs."""
 
     fingerprint: str
-    shards: list[ShardInfo] = field(default_factory=list)
-    ends: list[int] = field(default_factory=list)
-    skipped: list[tuple[int, Skipped]] = field(default_factory=list)
-
-    @property
-    def resume_position(self) -> int:
-        """The plan position of the first record not yet in a finished shard."""
-        return self.ends[-1] if self.ends else 0
-
-    def add_shard(self, info: ShardInfo, end: int, dst: Path) -> None:
-        """Record a finished shard ending before plan position ``end``, and save the journal."""
-        self.shards.append(info)
-        self.ends.append(end)
-        self.save(dst)
+    partitions: list[Partition]
+    manifest: dict[str, Any]
+    scan_skipped: list[Skipped] = field(default_factory=list)
 
     def save(self, dst: Path) -> None:
         data = {
             "fingerprint": self.fingerprint,
+            "partitions": [[p.start, p.end] for p in self.partitions],
+            "manifest": self.manifest,
+            "scan_skipped": [dataclasses.asdict(s) for s in self.scan_skipped],
+        }
+        # The tasks of a job may all write it at once: each stages its copy under a name of its own.
+        staged = dst / f"{PLAN_NAME}.{socket.gethostname()}-{os.getpid()}"
+        write_file_atomically(staged, json.dumps(data, indent=1).encode())
+        os.replace(staged, dst / PLAN_NAME)
+        fsync_directory(dst)
+
+    @classmethod
+    def load(cls, dst: Path) -> PlanRecord | None:
+        """The saved plan record, or None when there is none or it cannot be read."""
+        data = _read_json(dst / PLAN_NAME)
+        try:
+            return cls(
+                fingerprint=data["fingerprint"],
+                partitions=[Partition(i, int(s), int(e)) for i, (s, e) in enumerate(data["partitions"])],
+                manifest=dict(data["manifest"]),
+                scan_skipped=[Skipped(s["path"], s["reason"]) for s in data["scan_skipped"]],
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclass
+class PartRecord:
+    """One finished partition: its shards in order, and the files it skipped with their positions."""
+
+    fingerprint: str
+    partition: Partition
+    shards: list[ShardInfo]
+    skipped: list[tuple[int, Skipped]] = field(default_factory=list)
+
+    @property
+    def records(self) -> int:
+        return sum(s.records for s in self.shards)
+
+    def save(self, dst: Path) -> None:
+        data = {
+            "fingerprint": self.fingerprint,
+            "partition": self.partition.index,
+            "start": self.partition.start,
+            "end": self.partition.end,
             "shards": [dataclasses.asdict(s) for s in self.shards],
-            "ends": self.ends,
             "skipped": [{"index": i, "path": s.path, "reason": s.reason} for i, s in self.skipped],
         }
-        write_file_atomically(dst / JOURNAL_NAME, json.dumps(data, indent=1).encode())
+        write_file_atomically(dst / part_record_name(self.partition.index), json.dumps(data, indent=1).encode())
+
+    @classmethod
+    def load(cls, dst: Path, index: int) -> PartRecord | None:
+        """Partition ``index``'s record, or None when there is none or it cannot be read."""
+        data = _read_json(dst / part_record_name(index))
+        try:
+            return cls(
+                fingerprint=data["fingerprint"],
+                partition=Partition(int(data["partition"]), int(data["start"]), int(data["end"])),
+                shards=[ShardInfo(**s) for s in data["shards"]],
+                skipped=[(int(s["index"]), Skipped(s["path"], s["reason"])) for s in data["skipped"]],
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
 
 
-def resume_journal(dst: Path, fingerprint: str) -> Journal:
-    """The journal to continue from: the saved one cut to its still-valid shards, or a fresh one."""
-    saved = _load(dst / JOURNAL_NAME)
-    if saved is None or saved.fingerprint != fingerprint:
-        return Journal(fingerprint)
-    kept = 0
-    for info in saved.shards:
-        path = dst / info.file
-        if not path.is_file() or path.stat().st_size != info.bytes or file_checksum(path) != info.checksum:
-            break
-        kept += 1
-    journal = Journal(fingerprint, saved.shards[:kept], saved.ends[:kept])
-    journal.skipped = [(i, s) for i, s in saved.skipped if i < journal.resume_position]
-    return journal
+def part_problem(dst: Path, record: PartRecord | None, expected: PlanRecord, index: int) -> str | None:
+    """Why partition ``index`` is not done (None when it is): no record, another plan, a record count
+    that does not add up, or a shard missing or not matching its size and checksum."""
+    partition = expected.partitions[index]
+    name = f"part {index} (records {partition.start}-{partition.end - 1})"
+    if record is None:
+        return f"{name}: not finished (no {part_record_name(index)})"
+    if record.fingerprint != expected.fingerprint or record.partition != partition:
+        return f"{name}: {part_record_name(index)} belongs to another pack (other source or options)"
+    if record.records + len(record.skipped) != len(partition):
+        return f"{name}: holds {record.records} records and {len(record.skipped)} skipped, expected {len(partition)}"
+    for shard in record.shards:
+        path = dst / shard.file
+        if not path.is_file():
+            return f"{name}: {shard.file} is missing"
+        if path.stat().st_size != shard.bytes or file_checksum(path) != shard.checksum:
+            return f"{name}: {shard.file} does not match its recorded size and checksum"
+    return None
 
 
 def plan_fingerprint(plan: Plan, options: dict[str, Any]) -> str:
@@ -82,15 +137,8 @@ def plan_fingerprint(plan: Plan, options: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def _load(path: Path) -> Journal | None:
-    """The saved journal, or None when there is none or it cannot be read (then the pack starts over)."""
+def _read_json(path: Path) -> Any:
     try:
-        data = json.loads(path.read_text())
-        return Journal(
-            fingerprint=data["fingerprint"],
-            shards=[ShardInfo(**s) for s in data["shards"]],
-            ends=[int(e) for e in data["ends"]],
-            skipped=[(int(s["index"]), Skipped(s["path"], s["reason"])) for s in data["skipped"]],
-        )
-    except (OSError, ValueError, KeyError, TypeError):
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
         return None

@@ -1,11 +1,11 @@
 """glibc malloc settings for packing: large buffers reused from the heap instead of fresh mmaps.
 
-Every raw record (150 KB at 224x224) is allocated and freed several times on its way to disk: encoded
-in a worker, received by the writer, copied into LMDB's dirty pages. By default glibc serves blocks over
+Every raw record (150 KB at 224x224) is allocated and freed several times on its way to disk: decoded,
+resized, encoded, copied into LMDB's dirty pages. By default glibc serves blocks over
 128 KiB with a fresh ``mmap`` and returns them with ``munmap``, so every record costs dozens of page
 faults and zeroed pages; measured here, that was most of the writer's LMDB ``put`` time. Raising the
-mmap threshold and the trim threshold keeps such blocks on the heap for reuse. Set in the packing
-process before the workers are forked, so they inherit it; a no-op where the C library is not glibc.
+mmap threshold and the trim threshold keeps such blocks on the heap for reuse. Set in every process
+that packs partitions, when it starts; a no-op where the C library is not glibc.
 """
 from __future__ import annotations
 

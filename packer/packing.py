@@ -1,30 +1,37 @@
 """``pack()``: an image folder (or CSV list) in, a finished packed dataset out.
 
-Steps: check DST, scan the source into an ordered plan, resume from the journal where it allows, decode
-and encode on every core (``pipeline``), append the results in plan order to size-bounded shards
-(``shard_sequence``), and write ``manifest.json`` last. The output is byte-identical whatever
-``workers`` is: every image is transformed independently and written in plan order.
+Steps: check DST, scan the source into an ordered plan, cut it into partitions (``packer.partitions``),
+keep the partitions a previous run finished (checked by checksum), pack the others on every core, each
+partition encoded and written into its own shards by one process (``pipeline``), and write
+``manifest.json`` last (``merging``). The output is byte-identical for a given partition count whatever
+``workers`` is and in whatever order the partitions finish. With ``part`` only one task's share of the
+partitions is packed, and ``merge_parts`` writes the manifest once every task is done.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any, Callable
+
 from tqdm import tqdm
 
 from packer.cleanup import cleaned_up_on_failure
-from packer.destination import JOURNAL_NAME, check_destination, remove_own_files
+from packer.destination import PLAN_NAME, check_destination, partition_files, remove_files, remove_own_files
 from packer.errors import PackError
-from packer.journal import Journal, plan_fingerprint, resume_journal
-from packer.malloc_tuning import reuse_large_allocations
-from packer.pipeline import Failure, encode_in_order
-from packer.shard_sequence import ShardSequence
-from packer.sources import Plan, Skipped, display_name, scan_source
+from packer.journal import PartRecord, PlanRecord, part_problem, plan_fingerprint
+from packer.merging import write_manifest
+from packer.partitions import Part, Partition, cut, default_partition_count, parse_part
+from packer.pipeline import PackSettings, PartitionTask, pack_partitions
+from packer.resampling import default_resampler
+from packer.sources import Plan, scan_source
 from packer.transforms import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS, TransformSpec
 from packer.version import __version__
-from reader.format import FORMAT_VERSION, STORAGES, Manifest
+from reader.format import FORMAT_VERSION, MANIFEST_NAME, STORAGES, Manifest
 
 ON_ERROR = ("fail", "skip")
+
+Runner = Callable[[list[PartitionTask], Callable[[int], Any]], list[PartRecord]]
 
 
 def pack(
@@ -45,7 +52,11 @@ def pack(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     label_kind: str = "auto",
-) -> Manifest:
+    partitions: int | None = None,
+    part: Part | str | None = None,
+    resampler: str | None = None,
+    runner: Runner | None = None,
+) -> Manifest | None:
     """Pack the images under ``src`` into the dataset directory ``dst`` and return its manifest.
 
     ``src`` is an ImageFolder tree (one sub-folder per class), or the root the ``labels`` CSV
@@ -53,99 +64,105 @@ def pack(
     ``(width, height)``; see ``packer.transforms`` for the exact pre-transform. ``shard_size`` bounds
     each shard's payload bytes. ``workers`` defaults to every core; 0 or 1 packs in this process.
     ``on_error="skip"`` leaves unreadable images out (listed in the manifest) instead of failing.
-    Source files over ``max_file_bytes`` (or not regular files) are such per-file errors;
-    ``label_kind`` (``auto``, ``index``, ``name``) says how a CSV's labels are read (``packer.sources``).
-    An interrupted pack resumes when rerun with the same arguments; a failed or interrupted one (a full
-    disk, SIGINT, SIGTERM) leaves no temporary file (``packer.cleanup``). Raises ``PackError`` on bad
-    input and for a full disk.
+    ``partitions`` overrides the default partition count (``packer.partitions``). An interrupted pack
+    resumes when rerun with the same arguments, keeping the partitions already finished.
+    ``resampler`` (``"pil"`` or ``"torch"``) says who resizes; the default is ``packer.resampling``'s.
+
+    ``part`` (``"I/N"``, ``"slurm"`` or a ``Part``) packs only task I's share of the partitions and
+    returns None; once every task is done, ``packer.merge_parts(dst)`` writes the manifest.
+    ``runner`` packs the partition tasks instead of the local process pool (``packer.ray_runner``).
+    Source files over ``max_file_bytes`` (or not regular files) are per-file errors; ``label_kind``
+    (``auto``, ``index``, ``name``) says how a CSV's labels are read (``packer.sources``). A failed or
+    interrupted pack (a full disk, SIGINT, SIGTERM) leaves no temporary file of its own
+    (``packer.cleanup``). Raises ``PackError`` on bad input and for a full disk.
     """
-    spec = _transform_spec(resize, crop, encoding, quality, max_pixels, max_file_bytes)
+    spec = _transform_spec(resize, crop, encoding, quality, max_pixels, max_file_bytes, resampler)
     _check_options(storage, shard_size, on_error)
     worker_count = _worker_count(workers)
+    task_part = parse_part(part) if isinstance(part, str) else part
     dst = Path(dst)
     check_destination(dst, force)
     plan = scan_source(src, labels, on_error, max_file_bytes=max_file_bytes, label_kind=label_kind, exclude=dst)
     if not len(plan):
         raise PackError(f"{src}: no images to pack ({_empty_reason(plan)})")
+    all_partitions = cut(len(plan), partitions or default_partition_count(len(plan)))
     options = {
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
         "storage": storage,
         "shard_size": shard_size,
         "on_error": on_error,
+        "partitions": len(all_partitions),
         "transform": dataclasses.asdict(spec),
     }
     dst.mkdir(parents=True, exist_ok=True)
-    with cleaned_up_on_failure(dst):
-        journal = resume_journal(dst, plan_fingerprint(plan, options))
-        remove_own_files(dst, keep={JOURNAL_NAME} | {s.file for s in journal.shards})
-        journal.save(dst)
-        _write_records(plan, spec, journal, dst, storage, shard_size, on_error, worker_count, progress)
-        if not journal.shards:
-            raise PackError(f"{src}: every one of the {plan.files} images was skipped; nothing to pack")
-        manifest = _manifest(plan, spec, journal, storage)
-        manifest.write(dst)
-    (dst / JOURNAL_NAME).unlink()
-    return manifest
+    mine = all_partitions if task_part is None else task_part.select(all_partitions)
+    with cleaned_up_on_failure(dst, None if task_part is None else [p.index for p in mine]):
+        plan_record = _plan_record(dst, plan, spec, storage, all_partitions, plan_fingerprint(plan, options))
+        done = _finished_parts(dst, plan_record, mine)
+        done_indices = {r.partition.index for r in done}
+        _clear_leftovers(dst, done_indices, {p.index for p in mine} - done_indices, whole_plan=task_part is None)
+        settings = PackSettings(dst, plan.root, storage, shard_size, spec, on_error, plan_record.fingerprint)
+        tasks = [_task(settings, plan, p) for p in mine if p.index not in done_indices]
+        total = sum(len(p) for p in mine)
+        with tqdm(total=total, initial=total - sum(len(t.partition) for t in tasks), unit="img",
+                  disable=not progress, desc="pack" if task_part is None else f"pack part {task_part}") as bar:
+            run = runner or (lambda todo, on_records: pack_partitions(todo, worker_count, on_records))
+            new = run(tasks, bar.update)
+        if task_part is not None:
+            return None
+        records = sorted(done + new, key=lambda r: r.partition.index)
+        return write_manifest(dst, plan_record, records)
 
 
-def _write_records(
-    plan: Plan,
-    spec: TransformSpec,
-    journal: Journal,
-    dst: Path,
-    storage: str,
-    shard_size: int,
-    on_error: str,
-    workers: int,
-    progress: bool,
-) -> None:
-    """Encode the plan from the journal's resume position on and append it, in order, to shards."""
-    reuse_large_allocations()
-    start = journal.resume_position
-    shards = ShardSequence(
-        dst, storage, shard_size, len(journal.shards), lambda info, end: journal.add_shard(info, end, dst)
-    )
-    results = encode_in_order([str(plan.root / p) for p in plan.paths[start:]], spec, workers)
-    with tqdm(total=len(plan), initial=start, unit="img", disable=not progress, desc="pack") as bar:
-        try:
-            for position, result in enumerate(results, start):
-                if isinstance(result, Failure):
-                    skipped = Skipped(display_name(plan.paths[position]), result.reason)
-                    if on_error == "fail":
-                        raise PackError(f"{plan.root / skipped.path}: {skipped.reason}")
-                    journal.skipped.append((position, skipped))
-                else:
-                    shards.add(result, int(plan.labels[position]), position)
-                bar.update()
-            shards.finish(len(plan))
-        except BaseException:
-            shards.abort()
-            raise
-        finally:
-            results.close()
-
-
-def _manifest(plan: Plan, spec: TransformSpec, journal: Journal, storage: str) -> Manifest:
-    skipped = plan.skipped + [s for _, s in journal.skipped]
+def _plan_record(
+    dst: Path, plan: Plan, spec: TransformSpec, storage: str, partitions: list[Partition], fingerprint: str
+) -> PlanRecord:
+    """Save the plan record and return it as read back, so that the manifest ``pack`` writes and the one
+    ``merge_parts`` writes later come from the same bytes."""
     fixed = spec.fixed_size
-    packed = sum(s.records for s in journal.shards)
-    return Manifest(
-        storage=storage,
-        encoding=spec.encoding,
-        shape=None if fixed is None else [3, fixed[1], fixed[0]],
-        classes=plan.classes,
-        shards=list(journal.shards),
-        transform=spec.describe(),
-        source={
-            "kind": plan.kind,
-            "root": str(plan.root),
-            "files": plan.files,
-            "packed": packed,
-            "skipped": [dataclasses.asdict(s) for s in skipped],
-        },
-        tool_version=__version__,
-        jpeg_quality=spec.quality if spec.encoding == "jpeg" else None,
+    manifest = {
+        "storage": storage,
+        "encoding": spec.encoding,
+        "shape": None if fixed is None else [3, fixed[1], fixed[0]],
+        "classes": plan.classes,
+        "transform": spec.describe(),
+        "source": {"kind": plan.kind, "root": str(plan.root), "files": plan.files},
+        "tool_version": __version__,
+        "jpeg_quality": spec.quality if spec.encoding == "jpeg" else None,
+    }
+    PlanRecord(fingerprint, partitions, manifest, plan.skipped).save(dst)
+    saved = PlanRecord.load(dst)
+    if saved is None:
+        raise PackError(f"{dst / PLAN_NAME}: written but not readable back (is DST shared by a pack with "
+                        "other options?)")
+    return saved
+
+
+def _clear_leftovers(dst: Path, done: set[int], todo: set[int], whole_plan: bool) -> None:
+    """Remove what is in the way of packing the ``todo`` partitions. Packing the whole plan, that is
+    every packer file but the plan and the ``done`` partitions' files; packing one task's share, only
+    the files of its own ``todo`` partitions (and a manifest overwritten with ``force``), since other
+    tasks may be writing theirs in ``dst`` at this moment."""
+    if whole_plan:
+        remove_own_files(dst, keep=partition_files(dst, done) | {PLAN_NAME})
+    else:
+        remove_files(dst, partition_files(dst, todo) | {MANIFEST_NAME})
+
+
+def _finished_parts(dst: Path, plan: PlanRecord, partitions: list[Partition]) -> list[PartRecord]:
+    """The part records of ``partitions`` that a previous run finished and whose shards still match."""
+    done = []
+    for partition in partitions:
+        record = PartRecord.load(dst, partition.index)
+        if record is not None and part_problem(dst, record, plan, partition.index) is None:
+            done.append(record)
+    return done
+
+
+def _task(settings: PackSettings, plan: Plan, partition: Partition) -> PartitionTask:
+    return PartitionTask(
+        settings, partition, plan.paths[partition.start : partition.end], plan.labels[partition.start : partition.end]
     )
 
 
@@ -156,9 +173,11 @@ def _transform_spec(
     quality: int,
     max_pixels: int,
     max_file_bytes: int,
+    resampler: str | None,
 ) -> TransformSpec:
     try:
-        return TransformSpec(resize, crop, encoding, quality, max_pixels, max_file_bytes)
+        return TransformSpec(resize, crop, encoding, quality, max_pixels, max_file_bytes,
+                             resampler=resampler or default_resampler())
     except ValueError as e:
         raise PackError(str(e)) from None
 

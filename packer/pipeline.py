@@ -1,100 +1,233 @@
-"""Decoding and encoding images on every core, handing the results back in plan order.
+"""Packing partitions on every core: each process decodes, encodes AND writes whole partitions.
 
-Work goes out in chunks of ``CHUNK_SIZE`` images to a pool of forked processes, with at most
-``CHUNKS_PER_WORKER`` chunks per worker in flight, so memory stays bounded however slow the writer is.
-Each image comes back as an ``Encoded`` payload or a ``Failure`` naming why it could not be read; the
-caller decides whether a failure stops the pack. With ``workers <= 1`` the same code runs in-process.
+A partition (``packer.partitions``) is packed start to finish by one process into its own shards
+(``part-PPPPP-shard-SSSSS``), then marked done by its part record (``packer.journal``). Nothing per
+record travels between processes except a shared progress count, so adding cores adds writers too.
+The result of a partition depends only on its records, so any number of processes, in any order,
+give the same bytes. With ``workers <= 1`` the partitions are packed one after the other in this
+process; otherwise forked worker processes take them one at a time from a queue.
+
+Finishing a partition (its last shard's LMDB commit or HDF5 copy, fsync, rename and checksum, then
+the part record) takes 15-20 ms for a 10 MB shard here, most of it waiting for the disk. A process
+does it on a background thread while it encodes its next partition (``pack_in_turn``), so the core
+is not left idle; at most one partition per process is being finished at a time.
 """
 from __future__ import annotations
 
 import multiprocessing
-from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Iterator, NamedTuple, Sequence
+import pickle
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
 
-from PIL import Image
+import numpy as np
 
 from packer.cleanup import leave_interrupts_to_the_parent
+from packer.destination import partition_shard_name
+from packer.encoding import Failure, encode_file
 from packer.errors import PackError
-from packer.transforms import SourceFileError, TransformSpec, encode, load_image
+from packer.journal import PartRecord
+from packer.malloc_tuning import reuse_large_allocations
+from packer.partitions import Partition
+from packer.shard_sequence import ShardSequence
+from packer.sources import Skipped, display_name
+from packer.transforms import TransformSpec
 
-CHUNK_SIZE = 32
-CHUNKS_PER_WORKER = 3
-
-
-class Encoded(NamedTuple):
-    """One image's record payload and its size."""
-
-    payload: bytes
-    height: int
-    width: int
+_PROGRESS_SECONDS = 0.2
 
 
-class Failure(NamedTuple):
-    """Why one image could not be packed."""
+@dataclass(frozen=True)
+class PackSettings:
+    """What every partition of one pack shares: where, how, and the plan's fingerprint."""
 
-    reason: str
+    dst: Path
+    root: Path
+    storage: str
+    shard_size: int
+    spec: TransformSpec
+    on_error: str
+    fingerprint: str
 
 
-def encode_file(path: str, spec: TransformSpec) -> Encoded | Failure:
-    """Apply the pre-transform and the encoding to one file.
+@dataclass(frozen=True)
+class PartitionTask:
+    """One partition to pack: its range, and its images' paths (relative to the root) and labels."""
 
-    Whatever exception reading a broken file makes PIL raise (it is not limited to ``OSError``) is that
-    file's ``Failure``, so that one bad file can be skipped rather than stop the whole pack.
+    settings: PackSettings
+    partition: Partition
+    paths: list[str]
+    labels: np.ndarray
+
+
+class Stopped(Exception):
+    """Another partition failed, so this one was given up."""
+
+
+def pack_partition(
+    task: PartitionTask,
+    on_record: Callable[[int], Any] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> PartRecord:
+    """Encode and write one partition's records into its own shards, then save its part record.
+
+    ``on_record(1)`` is called after each image; ``should_stop()`` is asked before each image, and a
+    true answer gives the partition up (``Stopped``). With ``on_error="fail"`` a bad image raises
+    ``PackError`` naming it. The shard being written is dropped on any exception.
     """
+    shards, skipped = _encode_partition(task, on_record, should_stop)
+    return _finish_partition(task, shards, skipped)
+
+
+def pack_in_turn(
+    tasks: Iterable[PartitionTask],
+    on_record: Callable[[int], Any] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[PartRecord]:
+    """``pack_partition`` over ``tasks`` one after the other, each partition finished on a background
+    thread while the next one is encoded; yields the part records in task order as they are saved."""
+    with ThreadPoolExecutor(1, thread_name_prefix="partition-finisher") as finisher:
+        finishing: Future[PartRecord] | None = None
+        try:
+            for task in tasks:
+                shards, skipped = _encode_partition(task, on_record, should_stop)
+                if finishing is not None:
+                    yield finishing.result()
+                finishing = finisher.submit(_finish_partition, task, shards, skipped)
+            if finishing is not None:
+                yield finishing.result()
+        finally:
+            if finishing is not None and not finishing.done():
+                finishing.exception()  # a complete partition: let it be saved for a rerun to keep
+
+
+def _encode_partition(
+    task: PartitionTask, on_record: Callable[[int], Any] | None, should_stop: Callable[[], bool] | None
+) -> tuple[ShardSequence, list[tuple[int, Skipped]]]:
+    """Every record of the partition appended to its shards; the last shard is left open."""
+    settings, partition = task.settings, task.partition
+    shards = ShardSequence(
+        settings.dst, settings.storage, settings.shard_size,
+        lambda number: partition_shard_name(partition.index, number, settings.storage),
+    )
+    skipped: list[tuple[int, Skipped]] = []
     try:
-        img = load_image(path, spec)
-        payload = encode(img, spec.encoding, spec.quality)
-    except Exception as e:
-        return Failure(describe_failure(e))
-    return Encoded(payload, img.height, img.width)
+        for position, path, label in zip(range(partition.start, partition.end), task.paths, task.labels):
+            if should_stop is not None and should_stop():
+                raise Stopped
+            result = encode_file(str(settings.root / path), settings.spec)
+            if isinstance(result, Failure):
+                if settings.on_error == "fail":
+                    raise PackError(f"{settings.root / display_name(path)}: {result.reason}")
+                skipped.append((position, Skipped(display_name(path), result.reason)))
+            else:
+                shards.add(result, int(label))
+            if on_record is not None:
+                on_record(1)
+    except BaseException:
+        shards.abort()
+        raise
+    return shards, skipped
 
 
-def encode_chunk(paths: Sequence[str], spec: TransformSpec) -> list[Encoded | Failure]:
-    """``encode_file`` over a chunk of paths, in order (the unit of work sent to a worker process)."""
-    return [encode_file(path, spec) for path in paths]
-
-
-def encode_in_order(
-    paths: Sequence[str], spec: TransformSpec, workers: int
-) -> Iterator[Encoded | Failure]:
-    """One result per path, in the order of ``paths``, computed by ``workers`` processes."""
-    chunks = (paths[i : i + CHUNK_SIZE] for i in range(0, len(paths), CHUNK_SIZE))
-    if workers <= 1:
-        for chunk in chunks:
-            yield from encode_chunk(chunk, spec)
-        return
-    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                   initializer=leave_interrupts_to_the_parent)
+def _finish_partition(
+    task: PartitionTask, shards: ShardSequence, skipped: list[tuple[int, Skipped]]
+) -> PartRecord:
+    """Publish the partition's last shard, then save the part record that marks it done."""
     try:
-        pending: deque[Future[list[Encoded | Failure]]] = deque()
-        for chunk in chunks:
-            pending.append(executor.submit(encode_chunk, chunk, spec))
-            if len(pending) >= workers * CHUNKS_PER_WORKER:
-                yield from pending.popleft().result()
-        while pending:
-            yield from pending.popleft().result()
-    except BrokenProcessPool as e:
-        raise PackError(
-            f"an image-encoding worker process died ({e}); if it ran out of memory, use fewer workers"
-        ) from None
+        record = PartRecord(task.settings.fingerprint, task.partition, shards.finish(), skipped)
+    except BaseException:
+        shards.abort()
+        raise
+    record.save(task.settings.dst)
+    return record
+
+
+def pack_partitions(
+    tasks: list[PartitionTask], workers: int, on_records: Callable[[int], Any]
+) -> list[PartRecord]:
+    """Pack every task's partition with ``workers`` processes; their part records, in task order.
+
+    ``on_records(n)`` is called in this process as images are done. The first failure stops the other
+    partitions (their finished shards stay for a rerun to overwrite) and is raised here; so is the
+    death of a worker process.
+    """
+    if workers <= 1 or len(tasks) <= 1:
+        reuse_large_allocations()
+        return list(pack_in_turn(tasks, on_records))
+    context = multiprocessing.get_context("fork")
+    todo, results = context.Queue(), context.Queue()
+    done_count, stop = context.Value("q", 0), context.Event()
+    processes = [
+        context.Process(target=_worker, args=(todo, results, done_count, stop), daemon=True)
+        for _ in range(min(workers, len(tasks)))
+    ]
+    for process in processes:  # forked before this process starts the queue's feeder thread
+        process.start()
+    for task in [*tasks, *[None] * len(processes)]:
+        todo.put(task)
+    records: dict[int, PartRecord] = {}
+    reported = 0
+    try:
+        while len(records) < len(tasks):
+            try:
+                kind, payload = results.get(timeout=_PROGRESS_SECONDS)
+            except queue.Empty:
+                _check_alive(processes)
+                continue
+            finally:
+                now = done_count.value
+                on_records(now - reported)
+                reported = now
+            if kind == "error":
+                raise payload
+            records[payload.partition.index] = payload
     finally:
-        executor.shutdown(wait=True, cancel_futures=True)
+        stop.set()
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [records[task.partition.index] for task in tasks]
 
 
-def describe_failure(error: Exception) -> str:
-    """A short reason for a file that could not be packed, from the exception reading it raised."""
-    message = str(error)
-    if isinstance(error, SourceFileError):
-        return message
-    if isinstance(error, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
-        return f"decompression bomb ({message})"
-    if isinstance(error, Image.UnidentifiedImageError):
-        return "not an image, or an unsupported image format"
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
-        return f"unreadable file ({error.strerror})"
-    lowered = message.lower()
-    if "truncated" in lowered or "broken data stream" in lowered or isinstance(error, EOFError):
-        return f"truncated or corrupt image ({message or type(error).__name__})"
-    return f"cannot decode image ({type(error).__name__}: {message})"
+def _worker(todo: Any, results: Any, done_count: Any, stop: Any) -> None:
+    """A worker process: packs partitions from ``todo`` until its end marker, sends each part record
+    (or the error that stopped it) to ``results``."""
+    leave_interrupts_to_the_parent()
+    reuse_large_allocations()
+
+    def count_done(n: int) -> None:
+        with done_count.get_lock():
+            done_count.value += n
+
+    try:
+        for record in pack_in_turn(iter(todo.get, None), count_done, stop.is_set):
+            results.put(("record", record))
+    except Stopped:
+        pass
+    except BaseException as e:
+        results.put(("error", _sendable(e)))
+
+
+def _sendable(error: BaseException) -> BaseException:
+    """``error`` itself when it pickles, else a ``PackError`` carrying its description."""
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:
+        return PackError(f"{type(error).__name__}: {error}")
+
+
+def _check_alive(processes: list[Any]) -> None:
+    """Raise when a worker process died (killed, out of memory) instead of finishing its work."""
+    if all(process.exitcode == 0 for process in processes):
+        raise PackError("the packing worker processes ended before every partition was packed")
+    for process in processes:
+        if process.exitcode not in (None, 0):
+            raise PackError(
+                f"a packing worker process died (exit code {process.exitcode}); "
+                "if it ran out of memory, use fewer workers"
+            )

@@ -11,80 +11,72 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from packer.pipeline import Encoded
-from reader.format import ShardInfo, ShardWriter, file_checksum, open_shard_writer, shard_file_name
+from packer.encoding import Encoded
+from reader.format import ShardInfo, ShardWriter, file_checksum, open_shard_writer
 
-ShardDone = Callable[[ShardInfo, int], None]
+ShardName = Callable[[int], str]
 
 
 class ShardSequence:
-    """Appends records to shard ``first_index``, then the next ones; reports each finished shard.
+    """Appends records to shard 0, 1, ... (named by ``shard_name(number)``) and lists the finished ones.
 
     Publishing a full shard (record table, fsync, rename, checksum) runs on a background thread while
-    the next shard fills, so the encoding processes are not left idle during the disk flush; at most
-    one shard is being published at a time. ``on_shard_done(info, end)`` is called on the caller's
-    thread, in shard order, once a shard is published; ``end`` is the plan position of the first
-    record that is not in it.
+    the next shard fills, so encoding is not left idle during the disk flush; at most one shard is
+    being published at a time. ``shards`` lists the published shards, in order.
     """
 
-    def __init__(
-        self, dst: Path, storage: str, shard_size: int, first_index: int, on_shard_done: ShardDone
-    ) -> None:
+    def __init__(self, dst: Path, storage: str, shard_size: int, shard_name: ShardName) -> None:
         self._dst = dst
         self._storage = storage
         self._shard_size = shard_size
-        self._next_index = first_index
-        self._on_shard_done = on_shard_done
+        self._shard_name = shard_name
+        self.shards: list[ShardInfo] = []
         self._writer: ShardWriter | None = None
         self._name = ""
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="shard-publisher")
-        self._publishing: tuple[Future[ShardInfo], int] | None = None
+        self._publishing: Future[ShardInfo] | None = None
 
-    def add(self, record: Encoded, label: int, position: int) -> None:
-        """Append the record at plan ``position``, first closing the shard if it would overflow."""
+    def add(self, record: Encoded, label: int) -> None:
+        """Append one record, first closing the shard if the record would overflow it."""
         writer = self._writer
         if writer is not None and writer.payload_bytes + len(record.payload) > self._shard_size:
-            self._close_shard(position)
+            self._close_shard()
             writer = None
         if writer is None:
-            self._name = shard_file_name(self._next_index, self._storage)
-            self._next_index += 1
+            self._name = self._shard_name(len(self.shards) + (self._publishing is not None))
             writer = self._writer = open_shard_writer(self._storage, self._dst / self._name)
         writer.append(record.payload, label, record.height, record.width)
 
-    def finish(self, end: int) -> None:
-        """Publish the last shard (if any) and wait until every shard is published and reported."""
-        self._close_shard(end)
-        self._report_published()
+    def finish(self) -> list[ShardInfo]:
+        """Publish the last shard (if any), wait until every shard is published, and list them."""
+        self._close_shard()
+        self._collect_published()
         self._publisher.shutdown()
+        return self.shards
 
     def abort(self) -> None:
-        """Drop the shard being written. A shard already being published is let finish and, when it
-        succeeds, reported like any other, so that a resume keeps it."""
+        """Drop the shard being written; let one being published finish (its partition is redone)."""
         if self._writer is not None:
             self._writer.abort()
             self._writer = None
         if self._publishing is not None:
-            future, end = self._publishing
+            self._publishing.exception()
             self._publishing = None
-            if future.exception() is None:
-                self._on_shard_done(future.result(), end)
         self._publisher.shutdown()
 
-    def _close_shard(self, end: int) -> None:
+    def _close_shard(self) -> None:
         if self._writer is None:
             return
-        self._report_published()  # may raise: the writer stays ours, for abort() to drop
+        self._collect_published()  # may raise: the writer stays ours, for abort() to drop
         writer, self._writer = self._writer, None
-        self._publishing = (self._publisher.submit(_publish, writer, self._dst / self._name), end)
+        self._publishing = self._publisher.submit(_publish, writer, self._dst / self._name)
 
-    def _report_published(self) -> None:
-        """Wait for the shard being published (re-raising its error) and report it."""
+    def _collect_published(self) -> None:
+        """Wait for the shard being published (re-raising its error) and add it to ``shards``."""
         if self._publishing is None:
             return
-        future, end = self._publishing
-        self._publishing = None
-        self._on_shard_done(future.result(), end)
+        future, self._publishing = self._publishing, None
+        self.shards.append(future.result())
 
 
 def _publish(writer: ShardWriter, path: Path) -> ShardInfo:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -67,3 +69,29 @@ def raw_pixels(record: tuple[bytes, int, int, int]) -> np.ndarray:
     """A raw record's payload as ``(H, W, 3)`` uint8, for comparison with PIL images."""
     payload, _, height, width = record
     return np.frombuffer(payload, np.uint8).reshape(3, height, width).transpose(1, 2, 0)
+
+
+def holder_of(path: Path) -> int | None:
+    """The process that has ``path`` open (the worker writing that shard), if any."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == str(path) for fd in fds):
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def kill_a_writer(dst: Path, killed: list[str], deadline: float) -> None:
+    """Wait for a shard being written in ``dst``, and SIGKILL the process writing it; ``killed`` gets
+    its command line."""
+    while time.monotonic() < deadline and not killed:
+        for tmp in dst.glob("*.tmp") if dst.is_dir() else []:
+            pid = holder_of(tmp.resolve())
+            if pid is not None and pid != os.getpid():
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                os.kill(pid, signal.SIGKILL)
+                killed.append(command)
+                return
+        time.sleep(0.002)

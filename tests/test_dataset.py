@@ -150,24 +150,24 @@ def test_shard_truncated_after_open_is_noticed(tmp_path, images):
     ds = PackedDataset(packed.path)
     assert shard_bounds(ds)[:3] == [0, 10, 20]
     ds[10]
-    os.truncate(packed.path / "shard-00001.h5", int(ds._offsets[15]) + 10)
+    os.truncate(packed.path / "part-00000-shard-00001.h5", int(ds._offsets[15]) + 10)
     ds[0]
-    with pytest.raises(FormatError, match=r"shard-00001\.h5: shard file was replaced or changed since"):
+    with pytest.raises(FormatError, match=r"part-00000-shard-00001\.h5: shard file was replaced or changed since"):
         ds[10]
-    with pytest.raises(FormatError, match=r"shard-00001\.h5: shard file is \d+ bytes, the manifest says"):
+    with pytest.raises(FormatError, match=r"part-00000-shard-00001\.h5: shard file is \d+ bytes, the manifest says"):
         PackedDataset(packed.path)
 
 
 def test_corrupt_jpeg_names_file_and_record(tmp_path, images):
     packed = pack_one_shard(tmp_path, images, "hdf5", "jpeg")
     ds = PackedDataset(packed.path)
-    shard = packed.path / "shard-00000.h5"
+    shard = packed.path / "part-00000-shard-00000.h5"
     before = shard.stat()
     with open(shard, "r+b") as f:  # bit rot: same size, same modification time
         f.seek(int(ds._offsets[4]))
         f.write(b"\0" * 64)
     os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
-    with pytest.raises(FormatError, match=r"shard-00000\.h5: record 4 .*not a valid JPEG"):
+    with pytest.raises(FormatError, match=r"part-00000-shard-00000\.h5: record 4 .*not a valid JPEG"):
         ds[4]
 
 
@@ -204,7 +204,7 @@ def test_fast_decode_option_stays_close_to_pil(tmp_path, images):
     accurate, fast = PackedDataset(packed.path, fast_decode=False), PackedDataset(packed.path)
     for i in (0, 7):
         start, size = int(accurate._offsets[i]), int(accurate._nbytes[i])
-        with open(packed.path / "shard-00000.h5", "rb") as f:
+        with open(packed.path / "part-00000-shard-00000.h5", "rb") as f:
             f.seek(start)
             reference = chw(np.asarray(Image.open(io.BytesIO(f.read(size))).convert("RGB")))
         for ds, tolerance in ((accurate, 0.5), (fast, 3)):
@@ -295,7 +295,7 @@ def test_cold_batch_reads_its_whole_blocks_ahead(tmp_path, page_sized_images, mo
 
 def test_cached_batch_asks_for_nothing(tmp_path, images, monkeypatch):
     ds, packed = one_shard_of_blocks(tmp_path, images, "lmdb", "raw", records_per_block=5)
-    (tmp_path / "packed" / "shard-00000.lmdb").read_bytes()  # now in the page cache
+    (tmp_path / "packed" / "part-00000-shard-00000.lmdb").read_bytes()  # now in the page cache
     advice = []
     monkeypatch.setattr(reader.shard_io.os, "posix_fadvise", lambda *args: advice.append(args))
     batch, _ = ds.read_batch([12, 6, 13, 0])

@@ -40,7 +40,7 @@ def test_resident_pages_and_bounds(tmp_path):
 
 def test_warm_batch_is_copied_without_preadv(packed, monkeypatch):
     ds = PackedDataset(packed.path)
-    (packed.path / "shard-00000.h5").read_bytes()
+    (packed.path / "part-00000-shard-00000.h5").read_bytes()
     calls = []
     real_preadv = os.preadv
     monkeypatch.setattr(reader.shard_io.os, "preadv", lambda *a: calls.append(a) or real_preadv(*a))
@@ -55,6 +55,6 @@ def test_warm_batch_is_copied_without_preadv(packed, monkeypatch):
 def test_shard_truncated_after_mapping_reports_the_record(packed):
     ds = PackedDataset(packed.path)
     ds.read_batch([0, 11])
-    os.truncate(packed.path / "shard-00000.h5", int(ds._offsets[9]) + 10)
-    with pytest.raises(FormatError, match=r"shard-00000\.h5: shard file was replaced or changed"):
+    os.truncate(packed.path / "part-00000-shard-00000.h5", int(ds._offsets[9]) + 10)
+    with pytest.raises(FormatError, match=r"part-00000-shard-00000\.h5: shard file was replaced or changed"):
         ds.read_batch([0, 9])

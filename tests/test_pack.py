@@ -20,7 +20,8 @@ def test_raw_pixels_and_labels_equal_plain_pil(
     tmp_path: Path, make_image_folder: Callable[..., Path], storage: str
 ) -> None:
     src = make_image_folder(tmp_path / "src", classes=("b_class", "a_class"), per_class=3)
-    manifest = packer.pack(src, tmp_path / "out", storage=storage, resize=24, crop=20, workers=0, progress=False)
+    manifest = packer.pack(src, tmp_path / "out", storage=storage, resize=24, crop=20, workers=0, progress=False,
+                           resampler="pil")
     records = read_packed_records(tmp_path / "out")
     files = sorted(src.glob("*/*.png"))  # a_class first: classes are sorted
     assert [r[1] for r in records] == [0, 0, 0, 1, 1, 1]
@@ -66,10 +67,11 @@ def test_small_shard_size_splits_records_in_order(tmp_path: Path, make_image_fol
     src = make_image_folder(tmp_path / "src", per_class=5)
     record_bytes = 3 * 16 * 16
     manifest = packer.pack(
-        src, tmp_path / "out", resize=16, crop=16, shard_size=3 * record_bytes + 10, workers=0, progress=False
+        src, tmp_path / "out", resize=16, crop=16, shard_size=3 * record_bytes + 10, workers=0, progress=False,
+        resampler="pil",
     )
     assert [s.records for s in manifest.shards] == [3, 3, 3, 1]
-    assert [s.file for s in manifest.shards] == [f"shard-{i:05d}.lmdb" for i in range(4)]
+    assert [s.file for s in manifest.shards] == [f"part-00000-shard-{i:05d}.lmdb" for i in range(4)]
     records = read_packed_records(tmp_path / "out")
     assert [r[1] for r in records] == [0] * 5 + [1] * 5
     for record, path in zip(records, sorted(src.glob("*/*.png"))):
@@ -88,14 +90,34 @@ def test_a_record_larger_than_the_shard_size_gets_a_shard_of_its_own(
 def test_output_is_byte_identical_for_any_worker_count(
     tmp_path: Path, make_image_folder: Callable[..., Path], storage: str
 ) -> None:
+    """Five partitions of 7-8 records, two shards each (5,000 payload bytes hold 4 records of 1,200),
+    packed in this process, by one worker process and by two."""
     src = make_image_folder(tmp_path / "src", classes=("a", "b", "c"), per_class=12, ext="jpg", size=(60, 44))
     outputs = []
     for workers in (0, 1, 2):
         dst = tmp_path / f"out{workers}"
-        packer.pack(src, dst, storage=storage, resize=24, crop=20, shard_size=20_000, workers=workers, progress=False)
+        packer.pack(src, dst, storage=storage, resize=24, crop=20, shard_size=5_000, workers=workers,
+                    partitions=5, resampler="pil", progress=False)
         outputs.append({p.name: p.read_bytes() for p in sorted(dst.iterdir())})
-    assert len(outputs[0]) > 2  # several shards and the manifest
+    suffix = ".lmdb" if storage == "lmdb" else ".h5"
+    assert sorted(outputs[0]) == [MANIFEST_NAME] + [f"part-{p:05d}-shard-{s:05d}{suffix}" for p in range(5) for s in range(2)]
     assert outputs[0] == outputs[1] == outputs[2]
+    records = read_packed_records(tmp_path / "out2")
+    files = sorted(src.glob("*/*.jpg"))
+    assert [r[1] for r in records] == [0] * 12 + [1] * 12 + [2] * 12
+    for record, path in zip(records, files, strict=True):
+        np.testing.assert_array_equal(raw_pixels(record), reference_pixels(path, 24, 20, draft=True))
+
+
+def test_default_partition_count_comes_from_the_source_alone(
+    tmp_path: Path, make_image_folder: Callable[..., Path]
+) -> None:
+    src = make_image_folder(tmp_path / "src", classes=("a", "b"), per_class=40, size=(8, 8))  # 80 images
+    one = packer.pack(src, tmp_path / "one", resize=8, workers=0, progress=False)
+    two = packer.pack(src, tmp_path / "two", resize=8, workers=2, progress=False)
+    assert [s.file for s in one.shards] == ["part-00000-shard-00000.lmdb", "part-00001-shard-00000.lmdb"]
+    assert [s.records for s in one.shards] == [40, 40]  # 80 records: 2 partitions of at least 64 / 2
+    assert (tmp_path / "one" / MANIFEST_NAME).read_bytes() == (tmp_path / "two" / MANIFEST_NAME).read_bytes()
 
 
 def test_manifest_records_transform_and_source(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
@@ -144,7 +166,7 @@ def test_finished_dataset_is_not_overwritten_without_force(
     assert (dst / MANIFEST_NAME).read_bytes() == before
     manifest = packer.pack(src, dst, storage="lmdb", force=True, workers=0, progress=False)
     assert manifest.storage == "lmdb"
-    assert sorted(p.name for p in dst.iterdir()) == [MANIFEST_NAME, "shard-00000.lmdb"]
+    assert sorted(p.name for p in dst.iterdir()) == [MANIFEST_NAME, "part-00000-shard-00000.lmdb"]
 
 
 def test_destination_with_foreign_files_needs_force(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:

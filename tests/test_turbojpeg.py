@@ -103,11 +103,11 @@ def test_decode_threads_report_the_bad_record(tmp_path):
     packed = pack_images(tmp_path / "packed", images, [0] * 9, storage="hdf5", encoding="jpeg",
                          records_per_shard=20)
     offset = int(PackedDataset(packed.path)._offsets[5])
-    with open(packed.path / "shard-00000.h5", "r+b") as f:
+    with open(packed.path / "part-00000-shard-00000.h5", "r+b") as f:
         f.seek(offset)
         f.write(b"\0" * 64)
     ds = PackedDataset(packed.path, decode_threads=2)
-    with pytest.raises(FormatError, match=r"shard-00000\.h5: record 5 .*not a valid JPEG"):
+    with pytest.raises(FormatError, match=r"part-00000-shard-00000\.h5: record 5 .*not a valid JPEG"):
         ds.read_batch(list(range(9)))
     with pytest.raises(ValueError, match="decode_threads must be 1 or more, got 0"):
         PackedDataset(packed.path, decode_threads=0)
