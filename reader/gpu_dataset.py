@@ -19,7 +19,8 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 from reader.augment import BatchAugment, augment_from, seeded_generator
-from reader.prefetcher import default_device, rank_and_world_size
+from reader.prefetcher import default_device
+from reader.ranks import rank_and_world_size
 
 # Fraction of the free memory the resident dataset may take; the rest is left to the model.
 MEMORY_FRACTION = 0.8

@@ -20,9 +20,9 @@ import contextlib
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
 from reader.augment import BatchAugment, Images, augment_from, seeded_generator
+from reader.ranks import rank_and_world_size
 
 Batch = tuple[torch.Tensor, ...]
 
@@ -34,19 +34,6 @@ def default_device(device: torch.device | str | None) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def rank_and_world_size(rank: int | None, world_size: int | None = None) -> tuple[int, int]:
-    """``(rank, world_size)``: the arguments where given, else torch.distributed's when it is
-    initialised, else ``(0, 1)``."""
-    initialised = dist.is_available() and dist.is_initialized()
-    if world_size is None:
-        world_size = dist.get_world_size() if initialised else 1
-    if rank is None:
-        rank = dist.get_rank() if initialised else 0
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in range for world_size {world_size}")
-    return rank, world_size
 
 
 def forward_set_epoch(loader: object, epoch: int) -> None:

@@ -49,6 +49,7 @@ from torch.utils.data import Dataset, Sampler
 
 from reader.blocks import DEFAULT_BLOCK_BYTES
 from reader.packed_view import as_view
+from reader.ranks import rank_and_world_size
 
 ORDERS = ("sequential", "random", "quasi_random")
 DEFAULT_BUFFER_BLOCKS = 16
@@ -79,12 +80,7 @@ class ShardSampler(Sampler[int]):
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}: expected one of {', '.join(ORDERS)}")
         distributed = dist.is_available() and dist.is_initialized()
-        if world_size is None:
-            world_size = dist.get_world_size() if distributed else 1
-        if rank is None:
-            rank = dist.get_rank() if distributed else 0
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in range for world_size {world_size}")
+        rank, world_size = rank_and_world_size(rank, world_size)
         if block_bytes < 1 or buffer_blocks < 1:
             raise ValueError("block_bytes and buffer_blocks must be positive")
         view = as_view(dataset)

@@ -50,10 +50,13 @@ class LmdbShardWriter(ShardWriter):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self.tmp_path.unlink(missing_ok=True)
-        self._env = lmdb.open(
-            str(self.tmp_path), subdir=False, lock=False, sync=False, metasync=False,
-            map_size=_INITIAL_MAP_SIZE, max_dbs=0,
-        )
+        try:
+            self._env = lmdb.open(
+                str(self.tmp_path), subdir=False, lock=False, sync=False, metasync=False,
+                map_size=_INITIAL_MAP_SIZE, max_dbs=0,
+            )
+        except lmdb.Error as e:  # a full disk can already fail the open
+            raise self._as_os_error(e) from None
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
 
