@@ -15,7 +15,6 @@ is not left idle; at most one partition per process is being finished at a time.
 from __future__ import annotations
 
 import multiprocessing
-import pickle
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -181,7 +180,7 @@ def pack_partitions(
                 on_records(now - reported)
                 reported = now
             if kind == "error":
-                raise payload
+                raise payload.rebuilt()
             records[payload.partition.index] = payload
     finally:
         stop.set()
@@ -209,16 +208,40 @@ def _worker(todo: Any, results: Any, done_count: Any, stop: Any) -> None:
     except Stopped:
         pass
     except BaseException as e:
-        results.put(("error", _sendable(e)))
+        results.put(("error", WorkerError.of(e)))
 
 
-def _sendable(error: BaseException) -> BaseException:
-    """``error`` itself when it pickles, else a ``PackError`` carrying its description."""
-    try:
-        pickle.dumps(error)
-        return error
-    except Exception:
-        return PackError(f"{type(error).__name__}: {error}")
+@dataclass(frozen=True)
+class WorkerError:
+    """An exception raised in a worker process, as plain fields the parent rebuilds it from.
+
+    The exception object itself is not sent: one whose constructor takes other arguments than it
+    stores would fail to cross the queue in the queue's own feeder thread, silently, and the parent
+    would wait forever. A user-fixable ``PackError`` and an ``OSError`` (a full disk, a shard that
+    cannot be written) come back as themselves; anything else as a ``PackError`` naming its type.
+    """
+
+    type_name: str
+    message: str
+    errno: int | None = None
+    strerror: str | None = None
+    filename: str | None = None
+
+    @classmethod
+    def of(cls, error: BaseException) -> "WorkerError":
+        if isinstance(error, OSError):
+            filename = None if error.filename is None else str(error.filename)
+            return cls("OSError", str(error), error.errno, error.strerror, filename)
+        return cls(type(error).__name__, str(error))
+
+    def rebuilt(self) -> Exception:
+        if self.type_name == "OSError":
+            if self.errno is None:
+                return OSError(self.message)
+            return OSError(self.errno, self.strerror or self.message, self.filename)
+        if self.type_name == PackError.__name__:
+            return PackError(self.message)
+        return PackError(f"{self.type_name}: {self.message}")
 
 
 def _check_alive(processes: list[Any]) -> None:
