@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from reader.torch_hooks import shared_uint8, storage_references
+
 MAX_SLOTS = 8
 MAGIC = b"packed-images\x00\x01\x02"
 TRAILER = 64
@@ -61,8 +63,9 @@ class _Slot:
         trailer[NAME_BYTES] = np.array([os.getpid(), _Slot._serials], np.uint32).view(np.uint8)
 
     def is_free(self) -> bool:
-        """Free when marked so and no tensor but the slot's own refers to its memory."""
-        return _references(self.tensor) == 1 and self.tensor.numpy()[-TRAILER + STATE_BYTE] == FREE
+        """Free when marked so and no tensor but the slot's own refers to its memory (never, when this
+        torch cannot count references: ``reader.torch_hooks``)."""
+        return storage_references(self.tensor) == 1 and self.tensor.numpy()[-TRAILER + STATE_BYTE] == FREE
 
 
 class _Pool:
@@ -194,7 +197,7 @@ class SlotReleaser:
     def release_unused(self) -> None:
         """Mark free every received slot that no tensor in this process refers to any more."""
         for trailer in self._trailers.values():
-            if _references(trailer) == 1:
+            if storage_references(trailer) == 1:
                 state = trailer.numpy()
                 if state[STATE_BYTE] == RECEIVED:
                     state[STATE_BYTE] = FREE
@@ -214,13 +217,5 @@ def _trailer_of(images: object) -> torch.Tensor | None:
     return trailer if trailer.numpy()[:STATE_BYTE].tobytes() == MAGIC else None
 
 
-def _references(tensor: torch.Tensor) -> int:
-    """How many tensors share ``tensor``'s storage (the temporary storage object made here excluded)."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1
-
-
 def _fresh(nbytes: int, shared: bool) -> torch.Tensor:
-    if not shared:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    storage = torch.UntypedStorage._new_shared(nbytes)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    return shared_uint8(nbytes) if shared else torch.empty(nbytes, dtype=torch.uint8)

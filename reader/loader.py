@@ -14,14 +14,15 @@ in the main process (``reader.batch_memory``), so no batch pays for fresh pages.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from reader import torch_hooks
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, received_labels
 from reader.batch_stream import BatchStream
 from reader.blocks import DEFAULT_BLOCK_BYTES
@@ -90,10 +91,12 @@ class PackedLoader(DataLoader):
         return self.dataset.source
 
     @property
-    def _index_sampler(self) -> "_EndlessBatches":
+    def _index_sampler(self) -> "_EndlessBatches | BatchStream":
         # DataLoader's private hook for what its iterators draw index batches from: the endless stream,
-        # so that workers prefetch across epochs (the class docstring).
-        return _EndlessBatches(self.batch_sampler)
+        # so that workers prefetch across epochs (the class docstring; ``reader.torch_hooks``).
+        if torch_hooks.hooks.cross_epoch_iterator:
+            return _EndlessBatches(self.batch_sampler)
+        return self.batch_sampler
 
     def set_epoch(self, epoch: int) -> None:
         self.shard_sampler.set_epoch(epoch)
@@ -140,16 +143,18 @@ class PackedLoader(DataLoader):
     def _stream_at(self, epoch: int, start: int) -> Iterator[Batch]:
         """An iterator whose next batch is the first of the pass ``(epoch, start)``: the live worker
         iterator when it is already there, else a new or reset one (which drops what it prefetched)."""
-        if self._iterator is not None and self._stream_next == (epoch, start):
+        reusable = torch_hooks.hooks.cross_epoch_iterator and self._stream_next == (epoch, start)
+        if reusable and self._iterator is not None:
             return self._iterator
         self.batch_sampler.epoch_step = int(self._last_complete_epoch != epoch)
         return super().__iter__()
 
     def _get_iterator(self) -> object:
-        if self.num_workers == 0:
+        releasing = releasing_iterator_class()
+        if self.num_workers == 0 or releasing is None:
             return super()._get_iterator()
         self.check_worker_number_rationality()
-        return _ReleasingIterator(self, self._releaser)
+        return releasing(self, self._releaser)
 
 
 class _EndlessBatches:
@@ -165,23 +170,33 @@ class _EndlessBatches:
         return len(self.stream)
 
 
-class _ReleasingIterator(_MultiProcessingDataLoaderIter):
-    """Shows every batch received from a worker to the ``SlotReleaser``, including the batches the
-    DataLoader drops when an epoch is cut short, so that no slot stays marked as in use.
+def releasing_iterator_class() -> type | None:
+    """torch's multi-process DataLoader iterator, extended to show every batch it receives from a
+    worker to the ``SlotReleaser``, including the batches the DataLoader drops when an epoch is cut
+    short, so that no slot stays marked as in use.
 
-    This overrides a private DataLoader hook. Should a torch release rename it, slots are never
-    marked received, so workers fall back to fresh memory per batch: slower, still correct.
+    This overrides a private DataLoader hook (``reader.torch_hooks``). Where this torch lacks it:
+    None, the DataLoader's own iterator is used, slots are never marked received, and workers fall
+    back to fresh memory per batch: slower, the same batches.
     """
+    base = torch_hooks.hooks.multiprocessing_iterator
+    return None if base is None else _releasing_subclass(base)
 
-    def __init__(self, loader: PackedLoader, releaser: SlotReleaser) -> None:
-        self._releaser = releaser
-        super().__init__(loader)
 
-    def _try_get_data(self, *args, **kwargs):
-        success, data = super()._try_get_data(*args, **kwargs)
-        if success:
-            data = (data[0], self._releaser.receive(data[1]), *data[2:])
-        return success, data
+@functools.cache
+def _releasing_subclass(base: type) -> type:
+    class ReleasingIterator(base):
+        def __init__(self, loader: PackedLoader, releaser: SlotReleaser) -> None:
+            self._releaser = releaser
+            super().__init__(loader)
+
+        def _try_get_data(self, *args, **kwargs):
+            success, data = super()._try_get_data(*args, **kwargs)
+            if success:
+                data = (data[0], self._releaser.receive(data[1]), *data[2:])
+            return success, data
+
+    return ReleasingIterator
 
 
 def _pinned(images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:

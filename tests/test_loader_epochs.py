@@ -8,10 +8,10 @@ from typing import Sequence
 
 import pytest
 import torch
+from reader_helpers import SMALL_RAW_COUNT as COUNT
 
 from reader import PackedDataset, batch_memory, make_loader
-from reader.loader import PackedLoader, _ReleasingIterator
-from reader_helpers import SMALL_RAW_COUNT as COUNT
+from reader.loader import PackedLoader, releasing_iterator_class
 
 BATCH = 4
 
@@ -174,13 +174,14 @@ def test_workers_read_the_next_epoch_before_this_one_ends(raw_path, tmp_path):
 def test_loops_without_set_epoch_reuse_the_stream(raw_path, monkeypatch):
     """After one loop shows that the epoch repeats, later loops continue the workers' stream."""
     resets = []
-    original = _ReleasingIterator._reset
+    iterator_class = releasing_iterator_class()
+    original = iterator_class._reset
 
     def counting_reset(self, loader, first_iter=False):
         resets.append(first_iter)
         original(self, loader, first_iter)
 
-    monkeypatch.setattr(_ReleasingIterator, "_reset", counting_reset)
+    monkeypatch.setattr(iterator_class, "_reset", counting_reset)
     loader = loader_for(IndexLabelled(raw_path), 2)
     for _ in range(4):
         assert pass_indices(loader) == epoch_batches(loader, 0)
