@@ -17,9 +17,10 @@ from packer.inspection import DatasetInfo, describe_transform, info
 from packer.joining import join_datasets
 from packer.merging import merge_parts
 from packer.packing import ON_ERROR, pack
-from packer.sources import LABEL_KINDS
+from packer.partitions import Part, parse_part
 from packer.ray_runner import ray_runner
 from packer.resampling import RESAMPLERS
+from packer.sources import LABEL_KINDS
 from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
 from packer.verification import verify
 from packer.version import __version__
@@ -46,7 +47,8 @@ class ByteSize(click.ParamType):
 
 
 class ImageSize(click.ParamType):
-    """``N`` (one number) or ``WxH``."""
+    """``N`` (one number) or ``WxH``, width first as image tools write sizes; converted to the Python
+    API's ``(height, width)``."""
 
     name = "N|WxH"
 
@@ -64,7 +66,37 @@ class ImageSize(click.ParamType):
         match = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", text)
         if not match:
             self.fail(f"{value!r} is not a size: give N or WxH, e.g. 256 or 320x240", param, ctx)
-        return int(match.group(1)), int(match.group(2))
+        return int(match.group(2)), int(match.group(1))
+
+
+class PartOption(click.ParamType):
+    """``I/N`` or ``slurm`` (``packer.partitions.parse_part``), checked before anything is read."""
+
+    name = "I/N|slurm"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> Part:
+        if isinstance(value, Part):
+            return value
+        try:
+            return parse_part(str(value))
+        except PackError as e:
+            self.fail(str(e), param, ctx)
+
+
+class CommaSeparated(click.ParamType):
+    """A comma-separated list of values of the ``item`` type, e.g. ``1,2,4``."""
+
+    def __init__(self, item: click.ParamType) -> None:
+        self.item = item
+        self.name = f"{item.name}[,...]"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> list:
+        if isinstance(value, list):
+            return value
+        items = [item.strip() for item in str(value).split(",") if item.strip()]
+        if not items:
+            self.fail(f"{value!r} names no {self.item.name}", param, ctx)
+        return [self.item.convert(item, param, ctx) for item in items]
 
 
 @click.group()
@@ -100,9 +132,10 @@ def main() -> None:
               help="CSV labels: index (integers 0..N-1), name (class names), auto (refuses a mix).")
 @click.option("--partitions", type=click.IntRange(min=1),
               help="Cut the plan into this many partitions [default: from the record count alone].")
-@click.option("--part", help="Pack only task I's share of the partitions (I/N, 0-based), or `slurm` to read "
+@click.option("--part", type=PartOption(),
+              help="Pack only task I's share of the partitions (I/N, 0-based), or `slurm` to read "
               "SLURM_ARRAY_TASK_ID/_COUNT/_MIN; then `packer merge DST` once every task is done.")
-@click.option("--ray", "ray_address", is_flag=False, flag_value="local", metavar="[ADDRESS]",
+@click.option("--ray", "ray_address", type=str, is_flag=False, flag_value="local", metavar="[ADDRESS]",
               help="Pack the partitions as Ray tasks: on a local Ray instance (no ADDRESS; --workers CPUs), or "
               "on the cluster at ADDRESS (auto, host:port, ray://host:port). Needs the ray extra.")
 @click.option("--resampler", type=click.Choice(RESAMPLERS),
@@ -112,7 +145,7 @@ def pack_command(src: Path, dst: Path, labels: Path | None, storage: str,
                  resize: int | tuple[int, int] | None, crop: int | tuple[int, int] | None,
                  encoding: str, quality: int, shard_size: int, workers: int | None, on_error: str,
                  force: bool, max_pixels: int, max_file_bytes: int, label_kind: str,
-                 partitions: int | None, part: str | None, ray_address: str | None, resampler: str | None,
+                 partitions: int | None, part: Part | None, ray_address: str | None, resampler: str | None,
                  quiet: bool) -> None:
     """Pack the images under SRC (one sub-folder per class, or --labels) into the dataset DST."""
     try:
@@ -193,9 +226,9 @@ def verify_command(dataset: Path, deep: bool, quiet: bool) -> None:
 @click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--baseline", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="The original image folder: also time an ImageFolder-style reader on it.")
-@click.option("--orders", default="quasi_random", show_default=True,
+@click.option("--orders", type=CommaSeparated(click.STRING), default="quasi_random", show_default=True,
               help="Comma-separated orders to time: sequential, random, quasi_random.")
-@click.option("--workers", "workers_list", default="2", show_default=True,
+@click.option("--workers", "workers", type=CommaSeparated(click.IntRange(min=0)), default="2", show_default=True,
               help="Comma-separated loader worker counts to time.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
@@ -205,17 +238,15 @@ def verify_command(dataset: Path, deep: bool, quiet: bool) -> None:
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a bar chart of images/s to this PNG (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
-def bench_command(dataset: Path, baseline: Path | None, orders: str, workers_list: str, batch_size: int,
+def bench_command(dataset: Path, baseline: Path | None, orders: list[str], workers: list[int], batch_size: int,
                   epochs: int, model_ms: float | None, cold: bool, plot: Path | None,
                   as_json: bool) -> None:
     """Time reading DATASET per epoch: images/s, MB/s, first-batch latency, worker memory."""
     from packer import bench
 
-    order_names = [o.strip() for o in orders.split(",") if o.strip()]
-    workers = [int(w) for w in workers_list.split(",") if w.strip()]
     settings = bench.Settings(batch_size=batch_size, epochs=epochs, model_ms=model_ms, cold=cold)
     try:
-        results = bench.bench_packed(dataset, settings, orders=order_names, workers=workers)
+        results = bench.bench_packed(dataset, settings, orders=orders, workers=workers)
         if baseline is not None:
             spec = TransformSpec.from_description(load_manifest(dataset).transform)
             results += bench.bench_folder(baseline, spec, settings, workers=workers)

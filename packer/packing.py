@@ -61,8 +61,9 @@ def pack(
 
     ``src`` is an ImageFolder tree (one sub-folder per class), or the root the ``labels`` CSV
     (``path,label`` rows) is relative to. ``resize`` and ``crop`` take an int (shorter side / square) or
-    ``(width, height)``; see ``packer.transforms`` for the exact pre-transform. ``shard_size`` bounds
-    each shard's payload bytes. ``workers`` defaults to every core; 0 or 1 packs in this process.
+    ``(height, width)`` as torchvision (the CLI's ``WxH`` is width first); see ``packer.transforms``
+    for the exact pre-transform. ``shard_size`` bounds each shard's payload bytes. ``workers`` defaults
+    to every core; 0 or 1 packs in this process.
     ``on_error="skip"`` leaves unreadable images out (listed in the manifest) instead of failing.
     ``partitions`` overrides the default partition count (``packer.partitions``). An interrupted pack
     resumes when rerun with the same arguments, keeping the partitions already finished.
@@ -124,7 +125,7 @@ def _plan_record(
     manifest = {
         "storage": storage,
         "encoding": spec.encoding,
-        "shape": None if fixed is None else [3, fixed[1], fixed[0]],
+        "shape": None if fixed is None else [3, *fixed],
         "classes": plan.classes,
         "transform": spec.describe(),
         "source": {"kind": plan.kind, "root": str(plan.root), "files": plan.files},

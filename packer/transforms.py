@@ -88,8 +88,12 @@ T = TypeVar("T")
 class TransformSpec:
     """What to do to every image.
 
-    ``resize``: None, an int (shorter side to N, aspect kept) or ``(width, height)`` (exact size).
-    ``crop``: None, an int (square) or ``(width, height)``: a center crop applied after the resize.
+    Sizes follow torchvision: ``(height, width)``. (The CLI's ``WxH`` strings and the manifest's
+    ``size`` lists are width first, as PIL and image tools write sizes; ``packer.cli`` and
+    ``describe``/``from_description`` convert.)
+
+    ``resize``: None, an int (shorter side to N, aspect kept) or ``(height, width)`` (exact size).
+    ``crop``: None, an int (square) or ``(height, width)``: a center crop applied after the resize.
     ``max_pixels``: images larger than this are refused as decompression bombs.
     ``max_file_bytes``: source files larger than this are refused before they are read.
     ``resampler``: ``"pil"`` or ``"torch"``, who computes the resize (``packer.resampling``).
@@ -119,25 +123,35 @@ class TransformSpec:
 
     @property
     def crop_size(self) -> tuple[int, int] | None:
-        """The crop as ``(width, height)``, or None."""
+        """The crop as ``(height, width)``, or None."""
         return _as_pair(self.crop)
 
     @property
     def fixed_size(self) -> tuple[int, int] | None:
-        """``(width, height)`` every output has, when the spec fixes it (a crop or an exact resize)."""
+        """``(height, width)`` every output has, when the spec fixes it (a crop or an exact resize)."""
         if self.crop is not None:
             return self.crop_size
         if isinstance(self.resize, tuple):
             return self.resize
         return None
 
+    @property
+    def pil_resize(self) -> int | tuple[int, int] | None:
+        """``resize`` in PIL's order: an int, or ``(width, height)``."""
+        return _width_first(self.resize) if isinstance(self.resize, tuple) else self.resize
+
+    @property
+    def pil_crop(self) -> tuple[int, int] | None:
+        """The crop in PIL's order, ``(width, height)``, or None."""
+        return _width_first(self.crop_size)
+
     @classmethod
     def from_description(cls, transform: dict[str, Any]) -> TransformSpec:
         """The resize and crop of a manifest's ``transform`` (what ``describe`` wrote), to redo them."""
         resize, crop = transform.get("resize"), transform.get("crop")
         return cls(
-            resize=None if resize is None else resize.get("shorter_side") or tuple(resize["size"]),
-            crop=None if crop is None else tuple(crop["size"]),
+            resize=None if resize is None else resize.get("shorter_side") or _width_first(resize["size"]),
+            crop=None if crop is None else _width_first(crop["size"]),
             resampler=transform.get("resampler", "pil"),
         )
 
@@ -148,8 +162,8 @@ class TransformSpec:
         elif isinstance(self.resize, int):
             resize = {"shorter_side": self.resize}
         else:
-            resize = {"size": list(self.resize)}
-        crop = self.crop_size
+            resize = {"size": list(self.pil_resize)}
+        crop = self.pil_crop
         return {
             "steps": list(STEPS),
             "max_pixels": self.max_pixels,
@@ -171,7 +185,8 @@ class TransformSpec:
 
 
 def resize_target(width: int, height: int, resize: int | tuple[int, int] | None) -> tuple[int, int]:
-    """The size an image of ``width x height`` is resized to (torchvision's rule for the shorter side)."""
+    """The ``(width, height)`` an image of ``width x height`` is resized to (torchvision's rule for the
+    shorter side); ``resize`` in PIL's order (``TransformSpec.pil_resize``)."""
     if resize is None:
         return width, height
     if isinstance(resize, tuple):
@@ -182,7 +197,8 @@ def resize_target(width: int, height: int, resize: int | tuple[int, int] | None)
 
 
 def center_crop_box(width: int, height: int, crop: tuple[int, int]) -> tuple[int, int, int, int]:
-    """The ``(left, top, right, bottom)`` box of a torchvision center crop; negative means padding."""
+    """The ``(left, top, right, bottom)`` box of a torchvision center crop of ``crop = (width, height)``
+    (PIL's order); negative means padding."""
     crop_width, crop_height = crop
     left = _crop_start(width, crop_width)
     top = _crop_start(height, crop_height)
@@ -248,7 +264,7 @@ def _load(
             raise ValueError(f"zero-size image ({width}x{height})")
         orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
         rotated = orientation in _ORIENTATION_TRANSPOSE and orientation >= 5
-        target = resize_target(*((height, width) if rotated else (width, height)), spec.resize)
+        target = resize_target(*((height, width) if rotated else (width, height)), spec.pil_resize)
         draft = None if spec.resize is None else (target[1], target[0]) if rotated else target
         out = _decode(img, data, draft)
         if orientation in _ORIENTATION_TRANSPOSE:
@@ -259,7 +275,7 @@ def _load(
 def _resized_image(
     out: Image.Image, opened: Image.Image, target: tuple[int, int], spec: TransformSpec
 ) -> Image.Image:
-    out = resize_and_crop(out, target, spec.crop_size, spec.resampler)
+    out = resize_and_crop(out, target, spec.pil_crop, spec.resampler)
     if out.mode == "RGBX":
         return out.convert("RGB")
     return opened.copy() if out is opened else out
@@ -268,7 +284,7 @@ def _resized_image(
 def _raw_record(
     out: Image.Image, opened: Image.Image, target: tuple[int, int], spec: TransformSpec
 ) -> tuple[bytes, int, int]:
-    box, inside = _crop_box(target, spec.crop_size)
+    box, inside = _crop_box(target, spec.pil_crop)
     if spec.resampler == "torch" and out.size != target and (inside or box is None):
         pixels = torch_resize(out, target, box)  # (3, H, W)
         return pixels.contiguous().numpy().tobytes(), pixels.shape[1], pixels.shape[2]
@@ -388,6 +404,11 @@ def _crop_start(size: int, crop: int) -> int:
     return int(round((size - crop) / 2.0))
 
 
+def _width_first(size: tuple[int, int] | list[int] | None) -> tuple[int, int] | None:
+    """A size pair with its two sides swapped: ``(height, width)`` <-> ``(width, height)``."""
+    return None if size is None else (size[1], size[0])
+
+
 def _as_pair(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
     if isinstance(size, int):
         return size, size
@@ -397,7 +418,7 @@ def _as_pair(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
 def _check_size(name: str, size: object) -> None:
     pair_ok = isinstance(size, tuple) and len(size) == 2 and all(map(_is_positive_int, size))
     if size is not None and not _is_positive_int(size) and not pair_ok:
-        raise ValueError(f"{name} {size!r} must be a positive int or a (width, height) pair of them")
+        raise ValueError(f"{name} {size!r} must be a positive int or a (height, width) pair of them")
 
 
 def _is_positive_int(value: object) -> bool:

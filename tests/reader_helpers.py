@@ -65,7 +65,7 @@ def pack_images(
     h, w, _ = images[0].shape
     record_bytes = 3 * h * w if encoding == "raw" else len(_jpeg_bytes(images[0]))
     packer.pack(src, dst, storage=storage, encoding=encoding, quality=JPEG_QUALITY,
-                crop=(w, h) if len(sizes) == 1 else None, shard_size=records_per_shard * record_bytes,
+                crop=(h, w) if len(sizes) == 1 else None, shard_size=records_per_shard * record_bytes,
                 workers=1, progress=False)
     order = sorted(range(len(images)), key=lambda k: (labels[k], k))
     return Packed(dst, encoding, [images[k] for k in order], [labels[k] for k in order])

@@ -34,7 +34,7 @@ def test_bench_json_baseline_and_plot(tmp_path: Path, make_packed_dataset: Calla
 
 
 def test_baseline_applies_the_packed_transform(tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> None:
-    dst = make_packed_dataset(tmp_path, per_class=2, resize=24, crop=(20, 16))
+    dst = make_packed_dataset(tmp_path, per_class=2, resize=24, crop=(16, 20))
     packed = PackedDataset(dst)
     folder = bench.FolderDataset(tmp_path / "images", TransformSpec.from_description(packed.manifest.transform))
     assert len(folder) == len(packed)

@@ -5,10 +5,11 @@ import json
 from pathlib import Path
 from typing import Callable
 
+import click
 import pytest
 from click.testing import CliRunner
 
-from packer.cli import ByteSize, ImageSize, main
+from packer.cli import ByteSize, CommaSeparated, ImageSize, main
 from reader.format import load_manifest
 
 
@@ -93,8 +94,31 @@ def test_byte_sizes(text: str, size: int) -> None:
 
 def test_image_sizes_and_bad_values() -> None:
     assert ImageSize().convert("256", None, None) == 256
-    assert ImageSize().convert("320x240", None, None) == (320, 240)
+    assert ImageSize().convert("320x240", None, None) == (240, 320)  # WxH -> (height, width)
     code, _, err = run("pack", ".", "out", "--resize", "0")
     assert code == 2 and "is not a size" in err
     code, _, err = run("pack", ".", "out", "--shard-size", "12 parsecs")
     assert code == 2 and "is not a size" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", ".", "--workers", "two"], "Invalid value for '--workers': 'two' is not a valid integer"),
+        (["bench", ".", "--workers", "1,-1"], "Invalid value for '--workers': -1 is not in the range x>=0"),
+        (["bench", ".", "--workers", ","], "Invalid value for '--workers': ',' names no integer"),
+        (["bench", ".", "--batch-size", "0"], "Invalid value for '--batch-size': 0 is not in the range x>=1"),
+        (["pack", ".", "out", "--part", "3/2"], "Invalid value for '--part': --part 3/2: need 0 <= I < N"),
+        (["pack", ".", "out", "--part", "half"], "Invalid value for '--part': --part 'half': expected I/N"),
+        (["pack", ".", "out", "--workers", "many"], "Invalid value for '--workers': 'many' is not a valid integer"),
+        (["pack", ".", "out", "--quality", "101"], "Invalid value for '--quality': 101 is not in the range 1<=x<=100"),
+    ],
+)
+def test_bad_option_values_are_usage_errors(args: list[str], message: str) -> None:
+    code, out, err = run(*args)
+    assert code == 2 and out == "" and message in err and "Traceback" not in err
+
+
+def test_bench_takes_comma_separated_orders_and_workers() -> None:
+    assert CommaSeparated(click.IntRange(min=0)).convert("1, 2,4", None, None) == [1, 2, 4]
+    assert CommaSeparated(click.STRING).convert("sequential,quasi_random", None, None) == ["sequential", "quasi_random"]

@@ -7,10 +7,10 @@ from typing import Callable
 
 import numpy as np
 import pytest
+from pack_helpers import raw_pixels, read_packed_records, reference_pixels
 from PIL import Image
 
 import packer
-from pack_helpers import raw_pixels, read_packed_records, reference_pixels
 from packer.errors import PackError
 from reader.format import MANIFEST_NAME, load_manifest
 
@@ -45,9 +45,9 @@ def test_without_crop_records_keep_their_own_sizes(tmp_path: Path, make_image_fo
 
 def test_exact_resize_fixes_the_shape(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
     src = make_image_folder(tmp_path / "src", per_class=2)
-    manifest = packer.pack(src, tmp_path / "out", resize=(16, 12), workers=0, progress=False)
+    manifest = packer.pack(src, tmp_path / "out", resize=(12, 16), workers=0, progress=False)  # (H, W)
     assert manifest.shape == [3, 12, 16]
-    assert manifest.transform["resize"] == {"size": [16, 12]}
+    assert manifest.transform["resize"] == {"size": [16, 12]}  # the manifest writes sizes width first
 
 
 def test_jpeg_encoding(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
@@ -100,7 +100,8 @@ def test_output_is_byte_identical_for_any_worker_count(
                     partitions=5, resampler="pil", progress=False)
         outputs.append({p.name: p.read_bytes() for p in sorted(dst.iterdir())})
     suffix = ".lmdb" if storage == "lmdb" else ".h5"
-    assert sorted(outputs[0]) == [MANIFEST_NAME] + [f"part-{p:05d}-shard-{s:05d}{suffix}" for p in range(5) for s in range(2)]
+    shards = [f"part-{p:05d}-shard-{s:05d}{suffix}" for p in range(5) for s in range(2)]
+    assert sorted(outputs[0]) == [MANIFEST_NAME] + shards
     assert outputs[0] == outputs[1] == outputs[2]
     records = read_packed_records(tmp_path / "out2")
     files = sorted(src.glob("*/*.jpg"))
@@ -114,7 +115,7 @@ def test_default_partition_count_comes_from_the_source_alone(
 ) -> None:
     src = make_image_folder(tmp_path / "src", classes=("a", "b"), per_class=40, size=(8, 8))  # 80 images
     one = packer.pack(src, tmp_path / "one", resize=8, workers=0, progress=False)
-    two = packer.pack(src, tmp_path / "two", resize=8, workers=2, progress=False)
+    packer.pack(src, tmp_path / "two", resize=8, workers=2, progress=False)
     assert [s.file for s in one.shards] == ["part-00000-shard-00000.lmdb", "part-00001-shard-00000.lmdb"]
     assert [s.records for s in one.shards] == [40, 40]  # 80 records: 2 partitions of at least 64 / 2
     assert (tmp_path / "one" / MANIFEST_NAME).read_bytes() == (tmp_path / "two" / MANIFEST_NAME).read_bytes()
@@ -122,14 +123,15 @@ def test_default_partition_count_comes_from_the_source_alone(
 
 def test_manifest_records_transform_and_source(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
     src = make_image_folder(tmp_path / "src", per_class=2)
-    manifest = packer.pack(src, tmp_path / "out", resize=24, crop=(20, 16), workers=0, progress=False)
+    manifest = packer.pack(src, tmp_path / "out", resize=24, crop=(16, 20), workers=0, progress=False)
     assert manifest.shape == [3, 16, 20]
     assert manifest.transform["resize"] == {"shorter_side": 24}
     assert manifest.transform["filter"] == "bilinear" and manifest.transform["antialias"] is True
     assert manifest.transform["crop"]["size"] == [20, 16]
     assert manifest.transform["steps"][0] == "open" and manifest.transform["steps"][-1] == "encode"
     assert "white" in manifest.transform["colour"]["alpha"]
-    assert manifest.source == {"kind": "imagefolder", "root": str(src.resolve()), "files": 4, "packed": 4, "skipped": []}
+    assert manifest.source == {"kind": "imagefolder", "root": str(src.resolve()), "files": 4, "packed": 4,
+                               "skipped": []}
     assert manifest.tool_version == packer.__version__
     assert manifest.jpeg_quality is None
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pack_helpers import reference_pixels, smooth_rgb
 from PIL import Image, ImageOps
 
 from packer.transforms import (
@@ -16,7 +17,6 @@ from packer.transforms import (
     resize_target,
     to_rgb,
 )
-from pack_helpers import reference_pixels, smooth_rgb
 
 
 def test_resize_target_follows_torchvision_shorter_side_rule() -> None:
@@ -90,7 +90,7 @@ def test_exif_rotation_swaps_the_draft_request(tmp_path: Path) -> None:
     exif = Image.Exif()
     exif[0x0112] = 6
     Image.fromarray(smooth_rgb(200, 100, seed=9), "RGB").save(path, quality=95, exif=exif)
-    out = load_image(path, TransformSpec(resize=(40, 80)))
+    out = load_image(path, TransformSpec(resize=(80, 40)))  # (height, width)
     assert out.size == (40, 80)
     upright = ImageOps.exif_transpose(Image.open(path)).convert("RGB").resize((40, 80), Image.BILINEAR)
     assert np.abs(np.asarray(out).astype(int) - np.asarray(upright).astype(int)).mean() < 3
@@ -170,6 +170,7 @@ def test_spec_rejects_bad_sizes() -> None:
         TransformSpec(encoding="png")
     assert TransformSpec(resize=(30, 20), crop=None).fixed_size == (30, 20)
     assert TransformSpec(resize=30, crop=(16, 12)).fixed_size == (16, 12)
+    assert TransformSpec(resize=(30, 20), crop=(16, 12)).pil_crop == (12, 16)  # (height, width) -> PIL's
     assert TransformSpec(resize=30).fixed_size is None
 
 

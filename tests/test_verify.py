@@ -73,7 +73,7 @@ def test_verify_refuses_a_directory_without_manifest(tmp_path: Path) -> None:
 
 
 def test_info_summarises_the_dataset(tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> None:
-    dst = make_packed_dataset(tmp_path, resize=16, crop=(16, 12), encoding="jpeg", quality=80, storage="hdf5")
+    dst = make_packed_dataset(tmp_path, resize=16, crop=(12, 16), encoding="jpeg", quality=80, storage="hdf5")
     summary = packer.info(dst)
     assert summary.records == 6 and summary.classes == ["cat", "dog"] and summary.shards == 1
     assert summary.storage == "hdf5" and summary.encoding == "jpeg" and summary.jpeg_quality == 80
