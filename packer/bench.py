@@ -25,7 +25,6 @@ from packer.transforms import TransformSpec, load_image
 from reader import PackedDataset, StepTimer, make_loader
 
 
-
 @dataclass(frozen=True)
 class Settings:
     """How every setting is timed: batch size, epochs, an optional simulated step, cold epochs."""

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from reader.splits import split
     from reader.step_timer import StepTimer
 
+    __all__ = ["BatchAugment", "CUDAPrefetcher", "GPUDataset", "PackedDataset", "ShardSampler", "StepTimer",
+               "make_loader", "split"]
+
 _HOMES = {
     "BatchAugment": "reader.augment",
     "CUDAPrefetcher": "reader.prefetcher",

@@ -424,7 +424,8 @@ def _taps(
     being pixel ``i + offset`` of the resized grid. Unused taps have weight 0 and a valid index."""
     device = start.device
     scale, length = scale.view(-1, 1), length.view(-1, 1)
-    centres = scale * (torch.arange(out_size, device=device, dtype=torch.float64).view(1, -1) + offset.view(-1, 1) + 0.5)
+    positions = torch.arange(out_size, device=device, dtype=torch.float64).view(1, -1)
+    centres = scale * (positions + offset.view(-1, 1) + 0.5)
     if antialias:
         support = scale.clamp_min(1.0)
         first = (centres - support + 0.5).floor().clamp_min(0)

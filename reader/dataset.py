@@ -40,7 +40,6 @@ from reader.format import (
 )
 from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
 
-
 Images = torch.Tensor | list[torch.Tensor]
 Allocator = Callable[[tuple[int, ...]], torch.Tensor]
 VERIFY_LEVELS = ("tables", "full")

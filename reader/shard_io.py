@@ -6,17 +6,17 @@ not file order) and neighbours closer than ``max_gap`` bytes are merged into one
 ``os.preadv`` whose iovecs put every record's bytes straight into its destination buffer, while the
 bytes between records (LMDB page padding and B-tree pages) land in a throwaway scratch buffer.
 
-Block read-ahead, for slow disks (HDD, NFS): a quasi-random batch takes a few records from each of
-~16 blocks of the files, so reading only those records costs one disk seek per ~16 records. Given the
-files' block boundaries, a batch first reads its runs in file order without waiting for the disk:
-a run whose pages are resident is copied from a read-only mapping of the shard
-(``reader.mapped_copy``), any other with a non-blocking ``preadv`` (``RWF_NOWAIT``). At the first run that is not all in the page cache, it asks the kernel for the
-*whole* blocks that run and every later one fall in (``posix_fadvise(WILLNEED)``: asynchronous, no
-copy; already cached pages cost a lookup), then reads them, so the disk sees long sequential reads and
-the next batches drawing from the same blocks find them cached. The probing stops at the first miss
-because a non-blocking read that misses still starts a small read-ahead of its own: probing every run
-of a cold batch would put one small disk request per record in front of the big ones. A batch already
-in the page cache asks for no read-ahead.
+Block read-ahead, for slow disks (HDD, NFS): a quasi-random batch takes a few records from each of ~16
+blocks of the files, so reading only those records costs one disk seek per ~16 records. Given the files'
+block boundaries, a batch first reads its runs in file order without waiting for the disk: a run whose
+pages are resident is copied from a read-only mapping of the shard (``reader.mapped_copy``), any other
+with a non-blocking ``preadv`` (``RWF_NOWAIT``). At the first run that is not all in the page cache, it
+asks the kernel for the *whole* blocks that run and every later one fall in
+(``posix_fadvise(WILLNEED)``: asynchronous, no copy; already cached pages cost a lookup), then reads
+them, so the disk sees long sequential reads and the next batches drawing from the same blocks find them
+cached. The probing stops at the first miss because a non-blocking read that misses still starts a small
+read-ahead of its own: probing every run of a cold batch would put one small disk request per record in
+front of the big ones. A batch already in the page cache asks for no read-ahead.
 
 Advice ahead of time: a worker that misses has nothing to decode until its blocks arrive, and the
 disk idles while the workers decode what arrived. ``ShardFiles.advise`` lets the process that knows

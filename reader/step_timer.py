@@ -94,7 +94,9 @@ class StepTimer:
     is left by ``break`` counts its compute up to the moment the iteration is closed.
     """
 
-    def __init__(self, sync: bool = True, warmup_steps: int = 1, slowest: int = 5, hint_threshold: float = 0.10) -> None:
+    def __init__(
+        self, sync: bool = True, warmup_steps: int = 1, slowest: int = 5, hint_threshold: float = 0.10
+    ) -> None:
         self.sync = sync
         self.warmup_steps = warmup_steps
         self.slowest = slowest

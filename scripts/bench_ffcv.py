@@ -217,17 +217,18 @@ def compare(args: argparse.Namespace) -> None:
         ours = [r["img_s"] for run in figures[f"{key} ours"] for r in run[skip:]]
         peer = [r["img_s"] for run in figures[f"{key} ffcv"] for r in run[skip:]]
         mine, theirs = statistics.median(ours), statistics.median(peer)
+        rounds = zip(figures[f"{key} ours"], figures[f"{key} ffcv"])
+        ratios = [statistics.median([r["img_s"] for r in a[skip:]]) / statistics.median([r["img_s"] for r in b[skip:]])
+                  for a, b in rounds]
         line = (f"{key:9s} ours {mine:8,.0f} img/s  ffcv {theirs:8,.0f} img/s  ratio {mine / theirs:.2f}x"
-                f"  (per-round ratios " + ", ".join(
-                    f"{statistics.median([r['img_s'] for r in a[skip:]]) / statistics.median([r['img_s'] for r in b[skip:]]):.2f}"
-                    for a, b in zip(figures[f"{key} ours"], figures[f"{key} ffcv"])) + ")")
+                "  (per-round ratios " + ", ".join(f"{ratio:.2f}" for ratio in ratios) + ")")
         if key == "jpeg":
             line += f"  {mine / (2 * bound):.0%} of the 2-core decode bound"
         print(line)
         per_cpu = {who: statistics.median([r["img_per_cpu_s"] for run in figures[f"{key} {who}"]
                                            for r in run[skip:]])
                    for who in ("ours", "ffcv", "before") if f"{key} {who}" in figures}
-        print(f"          img per CPU-second (main + workers): " + ", ".join(
+        print("          img per CPU-second (main + workers): " + ", ".join(
             f"{who} {value:,.0f}" for who, value in per_cpu.items())
               + f"; ours/ffcv {per_cpu['ours'] / per_cpu['ffcv']:.2f}x")
         if f"{key} before" in figures:

@@ -140,7 +140,9 @@ class NaiveDeviceFeed:
             yield images, labels.to(self.device, non_blocking=True)
 
 
-def run_mode(feed: NaiveDeviceFeed | CUDAPrefetcher | GPUDataset, step: TrainStep, steps: int, warmup: int) -> StepTimer:
+def run_mode(
+    feed: NaiveDeviceFeed | CUDAPrefetcher | GPUDataset, step: TrainStep, steps: int, warmup: int
+) -> StepTimer:
     """Run ``warmup + steps`` training steps fed by ``feed`` (re-iterated as epochs as needed)."""
     timer = StepTimer(warmup_steps=warmup)
     done = 0

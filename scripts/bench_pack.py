@@ -8,12 +8,12 @@ with 1 and 2 worker processes, and report the scaling.
 Prints one row per variant and worker count: images/s (median of the rounds, and the range), MB
 written, wall seconds, and the CPU seconds spent in the main process and in the worker processes;
 then, per variant, the speed-up of the most workers over the fewest. CPU ms/img (all processes'
-CPU time over the images) bounds what an otherwise idle machine reaches: cores / (CPU ms/img). Every worker decodes, encodes
-and writes whole partitions, so the main process only waits. Rounds alternate between worker
+CPU time over the images) bounds what an otherwise idle machine reaches: cores / (CPU ms/img). Every
+worker decodes, encodes and writes whole partitions, so the main process only waits. Rounds alternate between worker
 counts, so that a change in the machine's load touches them alike. The source files are read once
 before timing, so every run starts from a warm page cache; with the torch resampler, torch is
-imported before timing (a one-off 1.7 s a pack here, which would dwarf a 2,000-image run). Run it under ``flock /tmp/bench.lock`` on
-a shared machine.
+imported before timing (a one-off 1.7 s a pack here, which would dwarf a 2,000-image run). Run it under
+``flock /tmp/bench.lock`` on a shared machine.
 """
 from __future__ import annotations
 

@@ -5,11 +5,11 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from pack_helpers import smooth_rgb
 from PIL import Image
+from reader_helpers import SMALL_RAW_COUNT, make_images, pack_images
 
 import packer
-from pack_helpers import smooth_rgb
-from reader_helpers import SMALL_RAW_COUNT, make_images, pack_images
 
 
 @pytest.fixture

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reader_helpers import SMALL_RAW_COUNT as COUNT
 
 from reader import PackedDataset, make_loader
 from reader.batch_stream import BatchStream
 from reader.loader import LOOKAHEAD_WINDOWS, lookahead_samples
 from reader.sampler import ShardSampler
-from reader_helpers import SMALL_RAW_COUNT as COUNT
 
 BATCH = 4
 

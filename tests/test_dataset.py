@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from reader_helpers import CLASSES, Packed, chw, make_images, pack_images
 
 import reader.mapped_copy
 import reader.shard_io
 from reader import PackedDataset
 from reader.format import FormatError
-from reader_helpers import CLASSES, Packed, chw, make_images, pack_images
 
 COUNT = 23
 SIZE = (24, 32)

@@ -60,7 +60,7 @@ def test_loads_in_big_batches_and_matches_reference(images: torch.Tensor, device
     assert len(resident) == 3
     batches = list(resident)
     got = torch.cat([b for b, _ in batches]).cpu().double()
-    labels = torch.cat([l for _, l in batches]).cpu()
+    labels = torch.cat([batch_labels for _, batch_labels in batches]).cpu()
     assert batches[0][0].device.type == device
     assert torch.equal(labels, torch.arange(11))
     torch.testing.assert_close(got, normalized(images), atol=1e-5, rtol=0)
@@ -111,7 +111,9 @@ def test_seeded_reproducible_and_set_epoch(images: torch.Tensor) -> None:
 
 
 def test_refuses_variable_sizes(images: torch.Tensor) -> None:
-    with pytest.raises(ValueError, match="fake-packed: records have different sizes, .* read them with make_loader and CUDAPrefetcher"):
+    with pytest.raises(
+        ValueError, match="fake-packed: records have different sizes, .* read them with make_loader and CUDAPrefetcher"
+    ):
         GPUDataset(FakePackedDataset(images, None), "cpu", batch_size=4, mean=MEAN, std=STD)
 
 
@@ -125,14 +127,18 @@ def test_refuses_a_dataset_too_large_for_free_memory(images: torch.Tensor, monke
 
 
 def test_refuses_records_that_contradict_the_manifest(images: torch.Tensor) -> None:
-    with pytest.raises(ValueError, match=r"records 0\.\.10 have shape \(3, 12, 14\), but the manifest \(or record 0\) says \(3, 16, 16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"records 0\.\.10 have shape \(3, 12, 14\), but the manifest \(or record 0\) says \(3, 16, 16\)",
+    ):
         GPUDataset(FakePackedDataset(images, [3, 16, 16]), "cpu", batch_size=4, mean=MEAN, std=STD)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_end_to_end_on_a_packed_dataset(tmp_path: Path, device: str) -> None:
-    from reader import PackedDataset
     from reader_helpers import chw, make_images, write_dataset
+
+    from reader import PackedDataset
 
     sources = make_images(9, [(16, 20)])
     write_dataset(tmp_path, sources, [i % 3 for i in range(9)], storage="lmdb", encoding="raw", records_per_shard=4)
@@ -159,7 +165,8 @@ def test_explicit_ranks_split_one_permutation(images: torch.Tensor) -> None:
         share.set_epoch(2)
         assert torch.cat([labels for _, labels in share]).tolist() == expected
     with pytest.raises(ValueError, match="rank 3 is not in range for world_size 3"):
-        GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=2, mean=MEAN, std=STD, rank=3, world_size=3)
+        GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=2, mean=MEAN, std=STD,
+                   rank=3, world_size=3)
 
 
 def test_takes_one_augmentation_object(images: torch.Tensor) -> None:
@@ -175,13 +182,14 @@ def test_takes_one_augmentation_object(images: torch.Tensor) -> None:
 
 
 def test_torch_subset_and_concat_of_packed_datasets(tmp_path: Path) -> None:
+    from reader_helpers import chw, make_images, write_dataset
     from torch.utils.data import ConcatDataset, Subset
 
     from reader import PackedDataset
-    from reader_helpers import chw, make_images, write_dataset
 
     sources = make_images(9, [(16, 20)])
-    write_dataset(tmp_path / "a", sources, [i % 3 for i in range(9)], storage="lmdb", encoding="raw", records_per_shard=4)
+    write_dataset(tmp_path / "a", sources, [i % 3 for i in range(9)], storage="lmdb", encoding="raw",
+                  records_per_shard=4)
     write_dataset(tmp_path / "b", sources[:4], [2, 1, 0, 2], storage="hdf5", encoding="raw", records_per_shard=4)
     first, second = PackedDataset(tmp_path / "a"), PackedDataset(tmp_path / "b")
     pixels = normalized(torch.from_numpy(np.stack([chw(image) for image in sources])))
@@ -197,10 +205,10 @@ def test_torch_subset_and_concat_of_packed_datasets(tmp_path: Path) -> None:
 
 
 def test_refuses_a_subset_of_variable_sizes(tmp_path: Path) -> None:
+    from reader_helpers import make_images, write_dataset
     from torch.utils.data import Subset
 
     from reader import PackedDataset
-    from reader_helpers import make_images, write_dataset
 
     path = write_dataset(tmp_path, make_images(4, [(16, 20), (12, 12)]), [0, 1, 2, 0], storage="lmdb",
                          encoding="raw", records_per_shard=4)

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from reader import CUDAPrefetcher, GPUDataset, PackedDataset, make_loader
 from gpu_helpers import MEAN, STD, batch_of
 from reader_helpers import SMALL_RAW_COUNT
+
+from reader import CUDAPrefetcher, GPUDataset, PackedDataset, make_loader
 
 WORLD = 2
 SEED = 11

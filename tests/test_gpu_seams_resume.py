@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from reader import CUDAPrefetcher, PackedDataset, make_loader
 from gpu_helpers import MEAN, STD, batch_of
 from reader_helpers import make_images, pack_images
+
+from reader import CUDAPrefetcher, PackedDataset, make_loader
 
 SAVE_AFTER = 3  # batches of epoch 1 consumed before the checkpoint
 

@@ -4,18 +4,16 @@ extra batch tensors passed through."""
 from __future__ import annotations
 
 from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image
-
-import packer
-
-from reader import CUDAPrefetcher, PackedDataset, make_loader
 from gpu_helpers import MEAN, STD, batch_of, normalized
+from PIL import Image
 from reader_helpers import CLASSES, make_images
 
-
+import packer
+from reader import CUDAPrefetcher, PackedDataset, make_loader
 
 SOURCE_SIZES = [(20, 30), (33, 17), (25, 25), (16, 40), (40, 28), (18, 18), (30, 45), (22, 35)]
 

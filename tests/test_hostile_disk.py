@@ -13,10 +13,10 @@ from typing import Iterator
 
 import numpy as np
 import pytest
+from hostile_helpers import assert_one_line_error, run_cli, subprocess_env
 from PIL import Image
 
 import packer
-from hostile_helpers import assert_one_line_error, run_cli, subprocess_env
 
 TEMPORARY_SUFFIXES = (".tmp", ".spool")
 

@@ -14,8 +14,8 @@ from typing import Callable
 
 import numpy as np
 import pytest
-
 from hostile_helpers import flip_bytes, probe
+
 from reader.format import load_manifest, read_record_table
 
 SEED = 8

@@ -13,10 +13,10 @@ import lmdb
 import numpy as np
 import pytest
 import torch
-
-import packer
 from hostile_cases import assert_all_refused, damaged_copies
 from hostile_helpers import assert_one_line_error, edit_manifest, first_shard, flip_bytes, run_cli, set_manifest_bytes
+
+import packer
 from reader import PackedDataset
 from reader.format import FormatError, read_record_table
 from reader.format.lmdb_shard import TABLE_KEY

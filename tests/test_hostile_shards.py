@@ -10,7 +10,6 @@ from typing import Callable
 import h5py
 import numpy as np
 import pytest
-
 from hostile_cases import assert_all_refused, damaged_copies
 from hostile_helpers import assert_one_line_error, edit_manifest, first_shard, run_cli, set_manifest_bytes
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hostile_helpers import assert_one_line_error, run_cli, subprocess_env
+from pack_helpers import read_packed_records
 from PIL import Image
 
 import packer
-from hostile_helpers import assert_one_line_error, run_cli, subprocess_env
 from packer.errors import PackError
 from packer.sources import MAX_INDEX_CLASSES, scan_source
-from pack_helpers import read_packed_records
 
 CAFE = b"caf\xe9".decode("utf-8", "surrogateescape")  # a Latin-1 name, not UTF-8
 

@@ -7,9 +7,9 @@ from typing import Callable
 
 import pytest
 from click.testing import CliRunner
+from pack_helpers import read_packed_records
 
 import packer
-from pack_helpers import read_packed_records
 from packer.cli import main
 from reader import PackedDataset
 
@@ -35,7 +35,8 @@ def test_join_hard_links_the_shards_and_keeps_every_record(tmp_path: Path, two_d
     out = tmp_path / "joined"
     code, output = run("merge", out, a, b)
     assert code == 0, output
-    assert output == f"joined 2 datasets into {out}: 10 images in 2 classes, 3 shards (3 hard-linked (no bytes copied), 0 copied)\n"
+    assert output == (f"joined 2 datasets into {out}: 10 images in 2 classes, "
+                      "3 shards (3 hard-linked (no bytes copied), 0 copied)\n")
     assert read_packed_records(out) == read_packed_records(a) + read_packed_records(b)
     names = sorted(p.name for p in out.iterdir())
     assert names == ["manifest.json", "shard-00000.lmdb", "shard-00001.lmdb", "shard-00002.lmdb"]

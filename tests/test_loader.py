@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reader_helpers import make_images, pack_images
 
 from reader import PackedDataset, batch_memory, make_loader
 from reader.loader import PackedLoader
-from reader_helpers import make_images, pack_images
 
 COUNT = 37
 BATCH = 8

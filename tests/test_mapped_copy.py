@@ -6,12 +6,12 @@ import os
 
 import numpy as np
 import pytest
+from reader_helpers import make_images, pack_images
 
 import reader.shard_io
 from reader import PackedDataset
 from reader.format import FormatError
 from reader.mapped_copy import PAGE, MappedFile
-from reader_helpers import make_images, pack_images
 
 
 @pytest.fixture

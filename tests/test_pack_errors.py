@@ -5,9 +5,9 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from pack_helpers import read_packed_records
 
 import packer
-from pack_helpers import read_packed_records
 from packer.errors import PackError
 from reader.format import MANIFEST_NAME
 

@@ -80,7 +80,8 @@ def test_merge_refuses_a_part_whose_shard_changed(tmp_path: Path, src: Path) -> 
 
 def test_merge_of_a_directory_without_a_started_pack(tmp_path: Path) -> None:
     code, out = run("merge", tmp_path)
-    assert code == 1 and out == f"Error: {tmp_path}: no readable .pack-plan.json, so no partitioned pack was started here\n"
+    assert code == 1
+    assert out == f"Error: {tmp_path}: no readable .pack-plan.json, so no partitioned pack was started here\n"
 
 
 def test_part_slurm_reads_the_array_task(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,9 +8,9 @@ from typing import Callable, Iterator
 
 import pytest
 from click.testing import CliRunner
+from pack_helpers import kill_a_writer
 
 import packer
-from pack_helpers import kill_a_writer
 from packer.cli import main
 from packer.ray_runner import ray_runner
 

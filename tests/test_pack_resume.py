@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from pack_helpers import kill_a_writer
 
 import packer
 import packer.pipeline
-from pack_helpers import kill_a_writer
 from packer.destination import PLAN_NAME
 from reader.format import MANIFEST_NAME
 

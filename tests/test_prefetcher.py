@@ -188,8 +188,9 @@ def test_cuda_early_break_leaks_nothing(images: torch.Tensor) -> None:
 
 
 def test_end_to_end_on_a_packed_dataset(tmp_path: Path) -> None:
-    from reader import PackedDataset
     from reader_helpers import chw, make_images, write_dataset
+
+    from reader import PackedDataset
 
     sources = make_images(7, [(16, 20)])
     write_dataset(tmp_path, sources, [i % 3 for i in range(7)], storage="hdf5", encoding="raw", records_per_shard=3)

@@ -9,11 +9,11 @@ from typing import Callable
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from pack_helpers import raw_pixels, read_packed_records, reference_pixels, smooth_rgb
 from PIL import Image
 
 import packer
 import packer.resampling
-from pack_helpers import raw_pixels, read_packed_records, reference_pixels, smooth_rgb
 from packer.cli import main
 from packer.resampling import default_resampler, is_pillow_simd
 from packer.transforms import TransformSpec, encode, load_image, load_raw_record

@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.distributed as dist
+from reader_helpers import make_images, pack_images
 
 from reader import PackedDataset, ShardSampler
 from reader.format import Manifest, ShardInfo
-from reader_helpers import make_images, pack_images
 
 RECORD_BYTES = 1000
 SHARD_RECORDS = [25, 40, 7, 31]

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from reader_helpers import make_images, pack_images
 from torch.utils.data import Subset
 
 from reader import PackedDataset, ShardSampler, make_loader
-from reader_helpers import make_images, pack_images
 
 COUNT = 37  # not a multiple of WORLD * BATCH
 WORLD = 2

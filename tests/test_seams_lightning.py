@@ -6,10 +6,10 @@ import logging
 
 import pytest
 import torch
+from reader_helpers import make_images, pack_images
 from torch.utils.data.distributed import DistributedSampler
 
 from reader import PackedDataset, make_loader
-from reader_helpers import make_images, pack_images
 
 lightning = pytest.importorskip("lightning")
 from lightning.pytorch.utilities.data import _update_dataloader  # noqa: E402  (after the import check)

@@ -3,16 +3,15 @@ ConcatDataset and a user's wrapper; make_loader over Subset and ConcatDataset, k
 reader.split; the loader's batch_sampler walked directly."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
+from reader_helpers import Packed, chw, make_images, pack_images
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 import reader
 from reader import PackedDataset, make_loader
 from reader.packed_view import PackedView
-from reader_helpers import Packed, chw, make_images, pack_images
 
 COUNT = 23
 

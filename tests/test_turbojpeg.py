@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import simplejpeg
 from PIL import Image
+from reader_helpers import make_images, pack_images
 
 import reader.decode
 import reader.turbojpeg
 from reader import PackedDataset
 from reader.format import FormatError
-from reader_helpers import make_images, pack_images
 
 needs_turbojpeg = pytest.mark.skipif(not reader.turbojpeg.available(),
                                      reason="libturbojpeg0 is not installed")
