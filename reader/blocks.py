@@ -47,6 +47,11 @@ def block_starts(shards: Sequence[ShardInfo], size: int) -> np.ndarray:
     return np.concatenate(starts) if starts else np.zeros(0, np.int64)
 
 
+def dataset_block_starts(shards: Sequence[ShardInfo], block_bytes: int) -> np.ndarray:
+    """The first record of every block of a dataset of ``shards`` cut for ``block_bytes``: its layout."""
+    return block_starts(shards, block_size(shards, block_bytes))
+
+
 def block_bounds(offsets: np.ndarray, shard: ShardInfo, size: int) -> np.ndarray:
     """Where one shard file's blocks start (bytes), then the file's end.
 

@@ -57,14 +57,14 @@ class PackedDataset(Dataset):
     The default, 1, decodes on the calling thread with simplejpeg: on a machine where the DataLoader's
     worker processes already fill the cores, threads add nothing (measured in the README).
 
-    ``readahead_bytes`` (0 turns it off) is the size of the blocks read ahead when a batch misses the
-    page cache: the shards are cut into blocks by ``reader.blocks``, exactly as ``ShardSampler`` cuts
-    its quasi-random blocks for the same ``block_bytes`` (keep the two equal; both default to 8 MiB).
-    A batch whose records are not all cached asks the kernel for the whole blocks they lie in, so the
-    next batches of the sampler's window read from memory and the disk streams 8 MiB blocks instead of
-    seeking for every few records: what makes quasi-random order run at disk bandwidth on an HDD or
-    NFS. Cached batches pay nothing for it, and a scattered batch (random order over more than 32
-    blocks) reads only its own records.
+    ``block_bytes`` (default 8 MiB) sets the dataset's block layout (``reader.blocks``, see
+    ``block_starts``): the blocks ``ShardSampler`` shuffles in quasi-random order and, with ``readahead``
+    (the default), the blocks read ahead when a batch misses the page cache. The sampler and the loader take
+    the layout from here, so the two always agree. A batch whose records are not all cached asks the kernel
+    for the whole blocks they lie in, so the next batches of the sampler's window read from memory and the
+    disk streams 8 MiB blocks instead of seeking for every few records: what makes quasi-random order run at
+    disk bandwidth on an HDD or NFS. Cached batches pay nothing for it, and a scattered batch (random order
+    over more than 32 blocks) reads only its own records.
 
     The dataset is untrusted input: opening it checks every shard's name, type and size and its record
     table (``reader.format.load_shard_table``), and reads refuse a shard replaced since (a
@@ -79,16 +79,18 @@ class PackedDataset(Dataset):
         *,
         fast_decode: bool = True,
         max_gap: int = DEFAULT_MAX_GAP,
-        readahead_bytes: int = DEFAULT_BLOCK_BYTES,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        readahead: bool = True,
         decode_threads: int = 1,
         verify: str = "tables",
     ) -> None:
-        if readahead_bytes < 0:
-            raise ValueError(f"readahead_bytes must be 0 (off) or positive, got {readahead_bytes}")
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if verify not in VERIFY_LEVELS:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, got {verify!r}")
         self.path = Path(path)
-        self.readahead_bytes = readahead_bytes
+        self.block_bytes = block_bytes
+        self.readahead = readahead
         self.manifest: Manifest = load_manifest(self.path)
         self.fast_decode = fast_decode
         self.decode_threads = DecodeThreads(decode_threads)
@@ -110,8 +112,8 @@ class PackedDataset(Dataset):
         self._widths = columns["width"]
         self.targets: np.ndarray = columns["label"]
         block_bounds = None
-        if readahead_bytes:
-            size = block_size(self.manifest.shards, readahead_bytes)
+        if readahead:
+            size = block_size(self.manifest.shards, block_bytes)
             block_bounds = [blocks.block_bounds(table["offset"], shard, size)
                             for table, shard in zip(tables, self.manifest.shards)]
         self._files = ShardFiles([self.path / s.file for s in self.manifest.shards], identities, max_gap,
@@ -122,6 +124,10 @@ class PackedDataset(Dataset):
         state = self.__dict__.copy()
         state["_scratch"] = bytearray(0)
         return state
+
+    def block_starts(self) -> np.ndarray:
+        """The index of every block's first record: the layout the sampler shuffles and read-ahead reads."""
+        return blocks.dataset_block_starts(self.manifest.shards, self.block_bytes)
 
     @property
     def classes(self) -> list[str]:
@@ -179,7 +185,7 @@ class PackedDataset(Dataset):
         for records scattered over many blocks (random order), or for blocks this process advised
         recently (``ShardFiles.advise``); it never waits for the disk.
         """
-        if not self.readahead_bytes:
+        if not self.readahead:
             return
         idx = self._checked_indices(indices)
         shards = self._shard_of(idx)

@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader, Dataset
 from reader import torch_hooks
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, received_labels
 from reader.batch_stream import BatchStream
-from reader.blocks import DEFAULT_BLOCK_BYTES
 from reader.packed_view import PackedView, as_view
 from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
 
@@ -215,7 +214,6 @@ def make_loader(
     world_size: int | None = None,
     pad: bool = True,
     evaluation: bool = False,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
     buffer_blocks: int = DEFAULT_BUFFER_BLOCKS,
     prefetch_factor: int | None = None,
     pin_memory: bool | None = None,
@@ -229,13 +227,13 @@ def make_loader(
     mix datasets of a ``ConcatDataset`` are gathered with one copy. Anything else raises ``TypeError``
     (use a plain ``DataLoader`` for it: ``PackedDataset`` follows torch's conventions there).
 
-    Order (default ``"quasi_random"``, ``"sequential"`` with ``evaluation``), seed, rank, world_size,
-    pad, block_bytes and buffer_blocks go to ``ShardSampler``. ``seed`` is the run's seed, the same on
-    every rank (checked when torch.distributed is initialised). ``num_workers`` defaults to
-    ``default_num_workers()`` (0 reads in the calling process); ``prefetch_factor`` (batches in flight
-    per worker) to 2; ``pin_memory`` (batches copied to pinned memory before they are yielded) to
-    whether CUDA is available. ``multiprocessing_context`` ("fork", "spawn", "forkserver") is passed to
-    the DataLoader.
+    Order (default ``"quasi_random"``, ``"sequential"`` with ``evaluation``), seed, rank, world_size, pad
+    and buffer_blocks go to ``ShardSampler`` (the blocks are the dataset's: ``block_bytes``). ``seed`` is
+    the run's seed, the same on every rank (checked when torch.distributed is initialised). ``num_workers``
+    defaults to ``default_num_workers()`` (0 reads in the calling process); ``prefetch_factor`` (batches in
+    flight per worker) to 2; ``pin_memory`` (batches copied to pinned memory before they are yielded) to
+    whether CUDA is available. ``multiprocessing_context`` ("fork", "spawn", "forkserver") is passed to the
+    DataLoader.
 
     ``evaluation=True``: batches are ``(images, labels, indices, valid)``. Every rank gets a disjoint
     contiguous share of the dataset, padded to the same number of samples (so the same number of
@@ -243,7 +241,7 @@ def make_loader(
     (bool) is False for the padding, so that sums of ``metric * valid`` over all ranks count every
     sample exactly once (README, "Evaluation with DDP").
 
-    With workers and a dataset that reads ahead (``readahead_bytes`` > 0), the main process advises
+    With workers and a dataset that reads ahead (``readahead``), the main process advises
     each batch's blocks ``lookahead_samples(...)`` samples before the workers get it.
     """
     if evaluation and (drop_last or not pad):
@@ -252,10 +250,10 @@ def make_loader(
     view = PackedView(dataset)
     order = order or ("sequential" if evaluation else "quasi_random")
     sampler = ShardSampler(view, order=order, seed=seed, rank=rank, world_size=world_size,
-                           pad=pad, block_bytes=block_bytes, buffer_blocks=buffer_blocks)
+                           pad=pad, buffer_blocks=buffer_blocks)
     workers = default_num_workers() if num_workers is None else num_workers
-    advise = view.advise if workers > 0 and view.readahead_bytes else None
-    lookahead = lookahead_samples(view, block_bytes, buffer_blocks) if advise else 0
+    advise = view.advise if workers > 0 and view.readahead else None
+    lookahead = lookahead_samples(view, buffer_blocks) if advise else 0
     return PackedLoader(
         view,
         batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead),
@@ -270,9 +268,8 @@ def make_loader(
     )
 
 
-def lookahead_samples(dataset: Dataset, block_bytes: int, buffer_blocks: int) -> int:
-    """``LOOKAHEAD_WINDOWS`` windows of ``buffer_blocks`` quasi-random blocks, in samples (the blocks
-    cut as ``ShardSampler`` cuts them for ``block_bytes``)."""
+def lookahead_samples(dataset: Dataset, buffer_blocks: int) -> int:
+    """``LOOKAHEAD_WINDOWS`` windows of ``buffer_blocks`` of the dataset's blocks, in samples."""
     view = as_view(dataset)
-    blocks = max(len(np.unique(view.block_ids(block_bytes))), 1)
+    blocks = max(len(np.unique(view.block_ids())), 1)
     return round(LOOKAHEAD_WINDOWS * buffer_blocks * len(view) / blocks)

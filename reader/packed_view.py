@@ -22,7 +22,6 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from reader.batch_memory import new_batch
-from reader.blocks import block_size, block_starts
 from reader.dataset import Images, PackedDataset
 
 
@@ -50,9 +49,9 @@ class PackedView(Dataset):
         return len(self._record_of)
 
     @property
-    def readahead_bytes(self) -> int:
-        """The largest read-ahead block of the parts (0: no part reads ahead)."""
-        return max(getattr(part, "readahead_bytes", 0) for part in self.parts)
+    def readahead(self) -> bool:
+        """Whether some part reads blocks ahead."""
+        return any(getattr(part, "readahead", False) for part in self.parts)
 
     @property
     def targets(self) -> np.ndarray:
@@ -65,14 +64,13 @@ class PackedView(Dataset):
             labels[members] = np.asarray(part.targets, dtype=np.int64)[self._record_of[members]]
         return labels
 
-    def block_ids(self, block_bytes: int) -> np.ndarray:
-        """The quasi-random block (``reader.blocks``, cut for ``block_bytes``) of every position, as
-        ids numbered across the parts in part order."""
+    def block_ids(self) -> np.ndarray:
+        """The block (each part's own layout, ``PackedDataset.block_starts``) of every position, as ids
+        numbered across the parts in part order."""
         ids = np.zeros(len(self), np.int64)
         first = 0
         for k, part in enumerate(self.parts):
-            shards = part.manifest.shards
-            starts = block_starts(shards, block_size(shards, block_bytes))
+            starts = part.block_starts()
             members = self._part_of == k
             ids[members] = first + np.searchsorted(starts, self._record_of[members], side="right") - 1
             first += len(starts)
@@ -110,7 +108,7 @@ class PackedView(Dataset):
             return
         part_of, records = self.locate(positions)
         for k in np.unique(part_of).tolist():
-            if getattr(self.parts[k], "readahead_bytes", 0):
+            if getattr(self.parts[k], "readahead", False):
                 self.parts[k].advise(records[part_of == k])
 
     def __getitem__(self, position: int) -> tuple[torch.Tensor, int]:

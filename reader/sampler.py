@@ -47,7 +47,6 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
 
-from reader.blocks import DEFAULT_BLOCK_BYTES
 from reader.packed_view import as_view
 from reader.ranks import rank_and_world_size
 
@@ -74,15 +73,14 @@ class ShardSampler(Sampler[int]):
         world_size: int | None = None,
         *,
         pad: bool = True,
-        block_bytes: int = DEFAULT_BLOCK_BYTES,
         buffer_blocks: int = DEFAULT_BUFFER_BLOCKS,
     ) -> None:
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}: expected one of {', '.join(ORDERS)}")
         distributed = dist.is_available() and dist.is_initialized()
         rank, world_size = rank_and_world_size(rank, world_size)
-        if block_bytes < 1 or buffer_blocks < 1:
-            raise ValueError("block_bytes and buffer_blocks must be positive")
+        if buffer_blocks < 1:
+            raise ValueError(f"buffer_blocks must be positive, got {buffer_blocks}")
         view = as_view(dataset)
         self.num_records = len(view)
         self.order = order
@@ -94,7 +92,7 @@ class ShardSampler(Sampler[int]):
         self.epoch = 0
         self.start = 0
         self.history: list[tuple[int, int]] = []
-        _, self._block_ids = np.unique(view.block_ids(block_bytes), return_inverse=True)
+        _, self._block_ids = np.unique(view.block_ids(), return_inverse=True)
         if distributed and world_size > 1 and world_size == dist.get_world_size():
             _check_same_on_every_rank({"seed": seed, "order": order, "number of records": self.num_records})
 

@@ -64,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = make_dataset(Path(tmp) / "packed", args.records)
-        ds = PackedDataset(path, readahead_bytes=0)
+        ds = PackedDataset(path, readahead=False)
         rng = np.random.default_rng(1)
         orders = {"sequential": np.arange(len(ds)), "random": rng.permutation(len(ds))}
         epoch(ds, orders["sequential"], False)  # warm the page cache

@@ -82,17 +82,16 @@ def test_empty_stream_advises_nothing(raw_path):
 
 
 def test_make_loader_advises_with_workers_and_read_ahead_only(raw_path):
-    ds = PackedDataset(raw_path)
-    loader = make_loader(ds, BATCH, num_workers=2, buffer_blocks=2, block_bytes=1 << 20,
-                         multiprocessing_context="fork")
+    ds = PackedDataset(raw_path, block_bytes=1 << 20)
+    loader = make_loader(ds, BATCH, num_workers=2, buffer_blocks=2, multiprocessing_context="fork")
     stream = loader.batch_sampler
     assert stream.advise == loader.dataset.advise and loader.source is ds
-    expected = lookahead_samples(ds, 1 << 20, 2)
+    expected = lookahead_samples(ds, 2)
     blocks = int(loader.shard_sampler._block_ids.max()) + 1
     assert expected == round(LOOKAHEAD_WINDOWS * 2 * COUNT / blocks)
     assert stream.lookahead_batches == -(-expected // BATCH)
     assert make_loader(ds, BATCH, num_workers=0).batch_sampler.advise is None
-    no_read_ahead = PackedDataset(raw_path, readahead_bytes=0)
+    no_read_ahead = PackedDataset(raw_path, readahead=False)
     assert make_loader(no_read_ahead, BATCH, num_workers=2).batch_sampler.advise is None
     yielded = [labels.tolist() for _, labels in loader]
     assert sum(yielded, []) == ds.targets[loader.shard_sampler.rank_order()].tolist()

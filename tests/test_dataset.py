@@ -102,7 +102,7 @@ def test_each_shard_run_is_one_read(packed, monkeypatch):
         return real_preadv(fd, buffers, offset, flags)
 
     monkeypatch.setattr(reader.shard_io.os, "preadv", counting_preadv)
-    ds = PackedDataset(packed.path, readahead_bytes=0)
+    ds = PackedDataset(packed.path, readahead=False)
     bounds = shard_bounds(ds)
     indices = list(range(bounds[0] + 1, bounds[2]))[::-1]
     batch, _ = ds.read_batch(indices)
@@ -266,7 +266,7 @@ def one_shard_of_blocks(tmp_path, images, storage, encoding, records_per_block):
     assert (np.diff(PackedDataset(packed.path)._offsets) > 0).all()
     shard = PackedDataset(packed.path).manifest.shards[0]
     block_bytes = -(-records_per_block * shard.bytes // shard.records)
-    return PackedDataset(packed.path, readahead_bytes=block_bytes), packed
+    return PackedDataset(packed.path, block_bytes=block_bytes), packed
 
 
 def block_span(ds: PackedDataset, first: int, last: int) -> range:
@@ -330,11 +330,11 @@ def test_readahead_off_and_bad_values(tmp_path, images, monkeypatch):
     packed = pack_one_shard(tmp_path, images, "hdf5", "jpeg")
     path = packed.path
     disk = ColdDisk(monkeypatch)
-    batch, _ = PackedDataset(path, readahead_bytes=0).read_batch([4, 9])
+    batch, _ = PackedDataset(path, readahead=False).read_batch([4, 9])
     assert disk.advice == [] and disk.blocking_reads == 1
     assert_close(batch[1], packed.images[9], "jpeg")
-    with pytest.raises(ValueError, match="readahead_bytes"):
-        PackedDataset(path, readahead_bytes=-1)
+    with pytest.raises(ValueError, match="block_bytes must be positive, got 0"):
+        PackedDataset(path, block_bytes=0)
 
 
 def test_advise_asks_once_for_the_whole_blocks_of_the_records(tmp_path, page_sized_images, monkeypatch):
@@ -376,7 +376,7 @@ def test_advise_forgets_old_blocks_and_skips_scattered_records(tmp_path, images,
 def test_advise_without_read_ahead_does_nothing(tmp_path, images, monkeypatch):
     packed = pack_one_shard(tmp_path, images, "lmdb", "raw")
     disk = ColdDisk(monkeypatch)
-    PackedDataset(packed.path, readahead_bytes=0).advise([1, 2, 3])
+    PackedDataset(packed.path, readahead=False).advise([1, 2, 3])
     assert disk.advice == []
     with pytest.raises(IndexError, match="out of range"):
         PackedDataset(packed.path).advise([COUNT])

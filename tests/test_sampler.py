@@ -9,6 +9,7 @@ import torch.distributed as dist
 from reader_helpers import make_images, pack_images
 
 from reader import PackedDataset, ShardSampler
+from reader.blocks import DEFAULT_BLOCK_BYTES, dataset_block_starts
 from reader.format import Manifest, ShardInfo
 
 RECORD_BYTES = 1000
@@ -16,9 +17,11 @@ SHARD_RECORDS = [25, 40, 7, 31]
 
 
 class ManifestOnly:
-    """What the sampler reads of a dataset: its length and its manifest's shard sizes."""
+    """What the sampler reads of a dataset: its length, its manifest's shard sizes and its block layout
+    (``PackedDataset.block_starts``, cut by the same rule)."""
 
-    def __init__(self, shard_records: list[int]) -> None:
+    def __init__(self, shard_records: list[int], block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+        self.block_bytes = block_bytes
         shards = [ShardInfo(f"shard-{i:05d}.lmdb", n, n * RECORD_BYTES, "") for i, n in
                   enumerate(shard_records)]
         self.manifest = Manifest(storage="lmdb", encoding="raw", shape=[3, 8, 8], classes=["a"],
@@ -26,6 +29,9 @@ class ManifestOnly:
 
     def __len__(self) -> int:
         return self.manifest.num_records
+
+    def block_starts(self) -> np.ndarray:
+        return dataset_block_starts(self.manifest.shards, self.block_bytes)
 
 
 DATASET = ManifestOnly(SHARD_RECORDS)
@@ -69,7 +75,7 @@ def windows_of(order: list[int], block_records: int, buffer_blocks: int) -> list
 
 def test_quasi_random_blocks_stay_in_one_shard():
     """With a one-block buffer, the order is whole blocks of ~block_bytes, each inside one shard."""
-    sampler = ShardSampler(DATASET, seed=1, block_bytes=10 * RECORD_BYTES, buffer_blocks=1)
+    sampler = ShardSampler(ManifestOnly(SHARD_RECORDS, 10 * RECORD_BYTES), seed=1, buffer_blocks=1)
     windows = windows_of(list(sampler), block_records=10, buffer_blocks=1)
     assert len(windows) == len(block_starts_of(10))
     first_records = [min(w) for w in windows]
@@ -79,7 +85,7 @@ def test_quasi_random_blocks_stay_in_one_shard():
 
 
 def test_quasi_random_shuffles_within_buffer():
-    sampler = ShardSampler(DATASET, seed=2, block_bytes=10 * RECORD_BYTES, buffer_blocks=4)
+    sampler = ShardSampler(ManifestOnly(SHARD_RECORDS, 10 * RECORD_BYTES), seed=2, buffer_blocks=4)
     windows = windows_of(list(sampler), block_records=10, buffer_blocks=4)
     assert len(windows) == -(-len(block_starts_of(10)) // 4)
     assert all(window != sorted(window) for window in windows)
@@ -166,6 +172,6 @@ def test_invalid_arguments():
 def test_real_dataset_blocks_from_shard_bytes(tmp_path: Path):
     packed = pack_images(tmp_path / "packed", make_images(30, [(16, 16)]), [0] * 30,
                          storage="hdf5", encoding="raw", records_per_shard=12)
-    ds = PackedDataset(packed.path)
-    sampler = ShardSampler(ds, seed=1, block_bytes=4 * 3 * 16 * 16, buffer_blocks=2)
+    ds = PackedDataset(packed.path, block_bytes=4 * 3 * 16 * 16)
+    sampler = ShardSampler(ds, seed=1, buffer_blocks=2)
     assert sorted(sampler) == list(range(30))

@@ -163,13 +163,13 @@ def test_make_loader_over_a_concatenation_of_variable_size_datasets(tmp_path):
 
 def test_subset_and_concatenation_keep_the_block_order(raw, other):
     """With one block per window, the quasi-random order reads each block of the files in one run."""
-    ds = PackedDataset(raw.path)
+    ds = PackedDataset(raw.path, block_bytes=1 << 30)  # blocks of at least 1 MiB: here one per shard
     subset = Subset(ds, list(range(0, COUNT, 2)) + list(range(1, COUNT, 2)))
-    concat = ConcatDataset([subset, PackedDataset(other.path)])
+    concat = ConcatDataset([subset, PackedDataset(other.path, block_bytes=1 << 30)])
     view = PackedView(concat)
-    blocks = view.block_ids(1 << 30)  # blocks of at least 1 MiB: here one per shard
+    blocks = view.block_ids()
     assert len(np.unique(blocks)) == 5 + 3  # shards of the two datasets
-    loader = make_loader(concat, 4, num_workers=0, seed=6, block_bytes=1 << 30, buffer_blocks=1)
+    loader = make_loader(concat, 4, num_workers=0, seed=6, buffer_blocks=1)
     for epoch in range(3):
         loader.set_epoch(epoch)
         runs = blocks[loader.shard_sampler.rank_order()]
