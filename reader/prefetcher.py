@@ -137,7 +137,7 @@ class CUDAPrefetcher:
         self._position = {"epoch": epoch, "batches": batches, "seed": self.seed, "loader": self._loader_state()}
 
     def _batches(self, epoch: int, first: int) -> Iterator[Batch]:
-        """Hand over batch k, then start k+1 before the consumer resumes. Closing this generator (an
+        """Yield batch k, then start k+1 before the consumer resumes. Closing this generator (an
         early ``break`` does) drops the batch in flight and the loader's iterator; the position stays
         after the last batch handed over."""
         source = iter(self.loader)
@@ -146,7 +146,7 @@ class CUDAPrefetcher:
             self._mark(epoch, number)
             pending = self._start(next(source, None), epoch, number)
             while pending is not None:
-                ready = self._hand_over(pending)
+                ready = self._synced_for_consumer(pending)
                 number += 1
                 self._mark(epoch, number)
                 pending = self._start(next(source, None), epoch, number)
@@ -176,7 +176,7 @@ class CUDAPrefetcher:
             tensors = tensors.pin_memory()
         return tensors.to(self.device, non_blocking=True)
 
-    def _hand_over(self, batch: Batch) -> Batch:
+    def _synced_for_consumer(self, batch: Batch) -> Batch:
         """Make the consumer's stream wait for ``batch`` and protect its memory from reuse meanwhile."""
         if self.stream is not None:
             consumer = torch.cuda.current_stream(self.device)
