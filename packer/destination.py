@@ -11,18 +11,20 @@ from pathlib import Path
 from typing import Iterable
 
 from packer.errors import PackError
-from reader.format import MANIFEST_NAME, shard_file_name
+from reader.format import MANIFEST_NAME, containers, shard_file_name
 
 PLAN_NAME = ".pack-plan.json"
-_SHARD = r"(part-\d{5,}-)?shard-\d{5,}\.(lmdb|h5)(\.tmp|\.spool)?"  # shard-00000: datasets before partitions
+# A shard file or one of its container's temporaries, by the suffixes the registered containers declare.
+_SHARD_FILE = "|".join(
+    rf"{re.escape(c.suffix)}(?:{'|'.join(re.escape(t) for t in c.temporary_suffixes)})?" for c in containers()
+)
+_SHARD = rf"(part-\d{{5,}}-)?shard-\d{{5,}}(?:{_SHARD_FILE})"  # shard-00000: datasets before partitions
 _OWN_FILE = re.compile(
     rf"({_SHARD}|\.part-\d{{5,}}\.json|{re.escape(MANIFEST_NAME)}|{re.escape(PLAN_NAME)}(\.[\w.-]+-\d+)?"
     r"|\.pack-journal\.json)(\.tmp)?"  # the journal: before partitions
 )
 
-_PARTITION_FILE = re.compile(
-    r"part-(\d{5,})-shard-\d{5,}\.(?:lmdb|h5)(?:\.tmp|\.spool)?|\.part-(\d{5,})\.json(?:\.tmp)?"
-)
+_PARTITION_FILE = re.compile(rf"part-(\d{{5,}})-shard-\d{{5,}}(?:{_SHARD_FILE})|\.part-(\d{{5,}})\.json(?:\.tmp)?")
 
 
 def partition_shard_name(partition: int, shard: int, storage: str) -> str:

@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from packer.transforms import SourceFileError, TransformSpec, encode, load_image, load_raw_record
+from packer.transforms import SourceFileError, TransformSpec, load_image, load_raw_record
+from reader.format import encoding
 
 
 class Encoded(NamedTuple):
@@ -36,7 +37,7 @@ def encode_file(path: str, spec: TransformSpec) -> Encoded | Failure:
         if spec.encoding == "raw":
             return Encoded(*load_raw_record(path, spec))
         img = load_image(path, spec)
-        return Encoded(encode(img, spec.encoding, spec.quality), img.height, img.width)
+        return Encoded(encoding(spec.encoding).encode(img, spec.quality), img.height, img.width)
     except Exception as e:
         return Failure(describe_failure(e))
 

@@ -25,7 +25,7 @@ from packer.destination import check_destination, remove_own_files
 from packer.errors import PackError
 from packer.version import __version__
 from reader.format import Manifest, ShardInfo, load_manifest, shard_file_name
-from reader.format.manifest import fsync_directory
+from reader.format.durable import fsync_directory
 
 _MUST_MATCH = ("storage", "encoding", "shape", "jpeg_quality")
 _LINK_REFUSED = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}

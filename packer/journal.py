@@ -28,7 +28,7 @@ from packer.destination import PLAN_NAME, part_record_name
 from packer.partitions import Partition
 from packer.sources import Plan, Skipped
 from reader.format import ShardInfo, file_checksum
-from reader.format.manifest import fsync_directory, write_file_atomically
+from reader.format.durable import fsync_directory, write_file_atomically
 
 
 @dataclass

@@ -30,9 +30,9 @@ from packer.errors import PackError
 from packer.journal import PartRecord
 from packer.malloc_tuning import reuse_large_allocations
 from packer.partitions import Partition
-from packer.shard_sequence import ShardSequence
 from packer.sources import Skipped, display_name
 from packer.transforms import TransformSpec
+from reader.format import DatasetWriter
 
 _PROGRESS_SECONDS = 0.2
 
@@ -103,10 +103,10 @@ def pack_in_turn(
 
 def _encode_partition(
     task: PartitionTask, on_record: Callable[[int], Any] | None, should_stop: Callable[[], bool] | None
-) -> tuple[ShardSequence, list[tuple[int, Skipped]]]:
+) -> tuple[DatasetWriter, list[tuple[int, Skipped]]]:
     """Every record of the partition appended to its shards; the last shard is left open."""
     settings, partition = task.settings, task.partition
-    shards = ShardSequence(
+    shards = DatasetWriter(
         settings.dst, settings.storage, settings.shard_size,
         lambda number: partition_shard_name(partition.index, number, settings.storage),
     )
@@ -121,7 +121,7 @@ def _encode_partition(
                     raise PackError(f"{settings.root / display_name(path)}: {result.reason}")
                 skipped.append((position, Skipped(display_name(path), result.reason)))
             else:
-                shards.add(result, int(label))
+                shards.add(result.payload, int(label), result.height, result.width)
             if on_record is not None:
                 on_record(1)
     except BaseException:
@@ -131,11 +131,11 @@ def _encode_partition(
 
 
 def _finish_partition(
-    task: PartitionTask, shards: ShardSequence, skipped: list[tuple[int, Skipped]]
+    task: PartitionTask, shards: DatasetWriter, skipped: list[tuple[int, Skipped]]
 ) -> PartRecord:
     """Publish the partition's last shard, then save the part record that marks it done."""
     try:
-        record = PartRecord(task.settings.fingerprint, task.partition, shards.finish(), skipped)
+        record = PartRecord(task.settings.fingerprint, task.partition, shards.finish_shards(), skipped)
     except BaseException:
         shards.abort()
         raise

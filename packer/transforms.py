@@ -31,8 +31,8 @@ Steps, in this order (recorded in the manifest's ``transform`` as ``steps``):
    same source points, so a third less work; filter weights are rounded per output size, which moves
    about 1 pixel in 2,000 by one grey level against resize-then-crop. An image smaller than the crop
    is padded with black on both sides, as torchvision does (resized in full, then cropped).
-7. **encode**: ``raw`` is the uint8 pixels channel-major ``(3, H, W)``; ``jpeg`` is a baseline 4:2:0
-   JFIF JPEG at the given quality.
+7. **encode**: by the manifest's encoding (``reader.format.encoding``): ``raw`` is the uint8 pixels
+   channel-major ``(3, H, W)``; ``jpeg`` is a baseline 4:2:0 JFIF JPEG at the given quality.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ import simplejpeg
 from PIL import Image
 
 from packer.resampling import RESAMPLERS, resampler_library, torch_resize
-from reader.format import ENCODINGS
+from reader.format import ENCODINGS, encoding
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own default for Image.MAX_IMAGE_PIXELS
@@ -246,7 +246,7 @@ def load_image(path: str | Path, spec: TransformSpec) -> Image.Image:
 
 def load_raw_record(path: str | Path, spec: TransformSpec) -> tuple[bytes, int, int]:
     """``load_image`` then the ``raw`` encoding: ``(payload, height, width)``, the same bytes as
-    ``encode(load_image(path, spec), "raw", ...)``. With the torch resampler the channel-major payload
+    ``encoding("raw").encode(load_image(path, spec), ...)``. With the torch resampler the channel-major payload
     comes straight from the resized tensor, skipping a PIL image (0.2-0.3 ms an image here)."""
     return _load(path, spec, _raw_record)
 
@@ -289,7 +289,7 @@ def _raw_record(
         pixels = torch_resize(out, target, box)  # (3, H, W)
         return pixels.contiguous().numpy().tobytes(), pixels.shape[1], pixels.shape[2]
     image = _resized_image(out, opened, target, spec)
-    return encode(image, "raw", spec.quality), image.height, image.width
+    return encoding("raw").encode(image, spec.quality), image.height, image.width
 
 
 class SourceFileError(OSError):
@@ -383,15 +383,6 @@ def to_rgb(img: Image.Image) -> Image.Image:
     if img.mode == "F":
         return _grey_to_rgb(np.rint(np.clip(np.asarray(img), 0, 255)).astype(np.uint8))
     return img.convert("RGB")
-
-
-def encode(img: Image.Image, encoding: str, quality: int) -> bytes:
-    """The record payload of an RGB image: channel-major raw pixels, or a baseline 4:2:0 JPEG."""
-    if encoding == "raw":
-        return b"".join(img.tobytes("raw", band) for band in "RGB")  # one plane per channel: (3, H, W)
-    out = io.BytesIO()
-    img.save(out, format="JPEG", quality=quality, subsampling="4:2:0", optimize=False, progressive=False)
-    return out.getvalue()
 
 
 def _grey_to_rgb(pixels: np.ndarray) -> Image.Image:

@@ -3,37 +3,32 @@
 Always: every shard file exists, has the manifest's size and checksum, and a readable record table
 with the manifest's record count whose rows are sane (labels index a class, payloads lie inside the
 file, raw payloads are ``3*H*W`` bytes, sizes match a fixed ``shape``). With ``deep``: every record is
-read through the container's own API (LMDB ``txn.get``, an HDF5 dataset slice) and must equal the bytes
-at the table's offset, and it must decode (raw: its size; JPEG: PIL decodes it to the recorded size).
+read through the container's own API (``Container.read_records``: LMDB ``txn.get``, an HDF5 dataset
+slice) and must equal the bytes at the table's offset, and pass its encoding's check
+(``Encoding.payload_problem``: a JPEG must decode, with PIL, to the recorded size).
 """
 from __future__ import annotations
 
-import io
 import os
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import lmdb
 import numpy as np
-from PIL import Image
 from tqdm import tqdm
 
 from reader.format import (
+    Encoding,
     FileIdentity,
     FormatError,
     Manifest,
     ShardInfo,
+    container,
+    encoding,
     file_checksum,
     load_manifest,
-    read_record_table,
     table_problems,
 )
-from reader.format.hdf5_shard import HDF5_ERRORS, RECORDS_DATASET, internal_dataset
-from reader.format.hdf5_shard import open_readonly as open_hdf5
-from reader.format.lmdb_shard import bounded_value, check_lmdb_meta, mapping_address, record_key
-from reader.format.lmdb_shard import open_readonly as open_lmdb
 from reader.format.records import OUTSIDE_THE_FILE
 from reader.format.shard_files import checked_shard, describe_file_type, fd_path, open_checked
 
@@ -98,7 +93,7 @@ def _check_files(
                 opened = fd_path(fd)
                 if file_checksum(opened, progress=bar.update) != shard.checksum:
                     report.problems.append(f"{shard.file}: checksum mismatch (the file is corrupt or changed)")
-                table = read_record_table(manifest.storage, opened, shard.records, shown=path)
+                table = container(manifest.storage).read_table(opened, path, shard.records)
             except FormatError as e:
                 report.problems.append(f"{shard.file}: record table unreadable ({e})")
                 continue
@@ -135,7 +130,7 @@ def _check_table(
 ) -> np.ndarray:
     """Row-level sanity of one record table (labels, payload bounds, raw sizes, fixed shape); returns
     which rows are worth reading back (those inside the file)."""
-    problems = table_problems(table, len(manifest.classes), manifest.encoding, manifest.shape, size)
+    problems = table_problems(table, len(manifest.classes), encoding(manifest.encoding), manifest.shape, size)
     readable = np.ones(len(table), dtype=bool)
     for what, indices in problems:
         _report_records(name, indices, what, report)
@@ -150,6 +145,7 @@ def _read_back(
 ) -> None:
     """Every record through the container API, compared with the bytes at its offset, then decoded."""
     total = sum(len(table) for table, _ in tables.values())
+    shard_container, payload_encoding = container(manifest.storage), encoding(manifest.encoding)
     with tqdm(total=total, unit="rec", disable=not progress, desc="records") as bar:
         for number, (table, readable) in tables.items():
             shard = manifest.shards[number]
@@ -157,75 +153,30 @@ def _read_back(
             bad: dict[str, list[int]] = {}
             try:
                 with checked_shard(root, shard) as (fd, identity):
-                    records = _container_records(manifest.storage, fd_path(fd), identity.size, path, table)
+                    records = shard_container.read_records(fd_path(fd), identity.size, path, table)
                     for index, payload in enumerate(records):
                         bar.update()
                         if not readable[index]:
                             continue
                         row = table[index]
                         at_offset = os.pread(fd, int(row["nbytes"]), int(row["offset"]))
-                        problem = _record_problem(payload, at_offset, row, manifest.encoding)
+                        problem = _record_problem(payload, at_offset, row, payload_encoding)
                         if problem:
                             bad.setdefault(problem, []).append(index)
-            except (OSError, lmdb.Error, FormatError) as e:
+            except (OSError, FormatError) as e:
                 report.problems.append(f"{shard.file}: the {manifest.storage} container cannot be read back ({e})")
                 continue
             for problem, indices in bad.items():
                 _report_records(shard.file, np.array(indices), problem, report)
 
 
-def _container_records(
-    storage: str, opened: str, file_size: int, shown: Path, table: np.ndarray
-) -> Iterator[bytes | None]:
-    """Each record's payload as the container's own API returns it (None when it is absent), never
-    copying bytes from past the file's end (``bounded_value``) nor from other files (``internal_dataset``)."""
-    if storage == "lmdb":
-        check_lmdb_meta(opened, file_size, shown)
-        env = open_lmdb(Path(opened))
-        try:
-            map_address = mapping_address(Path(opened))
-            with env.begin(buffers=True) as txn:
-                for index in range(len(table)):
-                    view = txn.get(record_key(index))
-                    yield None if view is None else bounded_value(
-                        view, map_address, file_size, shown, f"record {index}")
-        finally:
-            env.close()
-        return
-    try:
-        with open_hdf5(Path(opened)) as f:
-            records = internal_dataset(f, RECORDS_DATASET, shown)
-            start = 0
-            for nbytes in table["nbytes"].tolist():
-                yield records[start : start + nbytes].tobytes() if start + nbytes <= records.shape[0] else None
-                start += nbytes
-    except HDF5_ERRORS as e:
-        if isinstance(e, FormatError):
-            raise
-        raise FormatError(f"{shown}: the HDF5 shard is damaged ({e})") from None
-
-
-def _record_problem(payload: bytes | None, at_offset: bytes, row: np.void, encoding: str) -> str | None:
+def _record_problem(payload: bytes | None, at_offset: bytes, row: np.void, encoding: Encoding) -> str | None:
     """What is wrong with one record, or None."""
     if payload is None:
         return "missing from the container"
     if payload != at_offset:
         return "container bytes differ from the bytes at the table's offset"
-    if encoding == "jpeg":
-        return _jpeg_problem(payload, int(row["height"]), int(row["width"]))
-    return None
-
-
-def _jpeg_problem(payload: bytes, height: int, width: int) -> str | None:
-    try:
-        with Image.open(io.BytesIO(payload)) as img:
-            img.load()
-            size = img.size
-    except Exception as e:
-        return f"JPEG does not decode ({type(e).__name__}: {e})"
-    if size != (width, height):
-        return f"JPEG decodes to {size[0]}x{size[1]}, the table says {width}x{height}"
-    return None
+    return encoding.payload_problem(payload, int(row["height"]), int(row["width"]))
 
 
 def _report_records(name: str, indices: np.ndarray, what: str, report: VerifyReport) -> None:

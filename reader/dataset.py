@@ -30,14 +30,8 @@ from torch.utils.data import Dataset
 from reader import blocks
 from reader.batch_memory import new_batch
 from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
-from reader.decode import decode_jpeg_into
 from reader.decode_threads import DecodeThreads
-from reader.format import (
-    FormatError,
-    Manifest,
-    load_manifest,
-    load_shard_table,
-)
+from reader.format import FormatError, Manifest, encoding, load_manifest, load_shard_table
 from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
 
 Images = torch.Tensor | list[torch.Tensor]
@@ -93,6 +87,7 @@ class PackedDataset(Dataset):
         self.readahead = readahead
         self.manifest: Manifest = load_manifest(self.path)
         self.fast_decode = fast_decode
+        self._encoding = encoding(self.manifest.encoding)
         self.decode_threads = DecodeThreads(decode_threads)
         counts, tables, identities = [], [], []
         for shard in self.manifest.shards:
@@ -173,9 +168,9 @@ class PackedDataset(Dataset):
         return self._read(idx, new_batch), torch.from_numpy(self.targets[idx])
 
     def _read(self, idx: np.ndarray, allocate: Allocator) -> Images:
-        if self.manifest.encoding == "raw":
+        if self._encoding.stores_pixels:
             return self._read_raw(idx, allocate)
-        return self._read_jpeg(idx, allocate)
+        return self._read_decoded(idx, allocate)
 
     def advise(self, indices: Sequence[int]) -> None:
         """Start reading, in the background, the whole read-ahead blocks that hold these records.
@@ -221,7 +216,7 @@ class PackedDataset(Dataset):
         return [part.view(3, h, w) for part, h, w in
                 zip(flat.split(nbytes.tolist()), self._heights[idx].tolist(), self._widths[idx].tolist())]
 
-    def _read_jpeg(self, idx: np.ndarray, allocate: Allocator) -> Images:
+    def _read_decoded(self, idx: np.ndarray, allocate: Allocator) -> Images:
         nbytes = self._nbytes[idx]
         total = int(nbytes.sum())
         if len(self._scratch) < total:
@@ -244,13 +239,14 @@ class PackedDataset(Dataset):
 
     def _decode(self, record: int, payload: memoryview, out: np.ndarray) -> None:
         try:
-            decode_jpeg_into(payload, out, fast=self.fast_decode,
-                             release_gil=self.decode_threads.threads > 1)
+            self._encoding.decode_into(payload, out, fast=self.fast_decode,
+                                       release_gil=self.decode_threads.threads > 1)
         except ValueError as e:
             shard = self._shard_of(np.asarray([record]))[0]
             within = record - self._shard_starts[shard]
             raise FormatError(f"{self._files.paths[shard]}: record {within} of this shard (dataset "
-                              f"record {record}) is not a valid JPEG of its recorded size: {e}") from None
+                              f"record {record}) is not a valid {self._encoding.name} payload of its recorded "
+                              f"size: {e}") from None
 
     def _shard_of(self, idx: np.ndarray) -> np.ndarray:
         return np.searchsorted(self._shard_starts, idx, side="right") - 1

@@ -33,7 +33,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reader import CUDAPrefetcher, GPUDataset, PackedDataset, StepTimer  # noqa: E402
-from reader.format import Manifest, ShardInfo, file_checksum, open_shard_writer, shard_file_name  # noqa: E402
+from reader.format import DatasetWriter  # noqa: E402
 from reader.loader import PackedLoader, make_loader  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -45,16 +45,11 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def make_tiny_dataset(dst: Path, count: int, size: int, classes: int = 10) -> Path:
     """A raw LMDB dataset of ``count`` random ``size``x``size`` images, written through reader.format."""
     rng = np.random.default_rng(0)
-    path = dst / shard_file_name(0, "lmdb")
-    writer = open_shard_writer("lmdb", path)
+    writer = DatasetWriter(dst, "lmdb", shard_size=1 << 40)  # one shard
     for i in range(count):
-        writer.append(rng.integers(0, 256, (3, size, size), dtype=np.uint8).tobytes(), i % classes, size, size)
-    writer.finish()
-    shard = ShardInfo(file=path.name, records=count, bytes=path.stat().st_size, checksum=file_checksum(path))
-    Manifest(
-        storage="lmdb", encoding="raw", shape=[3, size, size], classes=[f"class{c}" for c in range(classes)],
-        shards=[shard], transform={}, source={"kind": "synthetic"}, tool_version="bench_gpu",
-    ).write(dst)
+        writer.add(rng.integers(0, 256, (3, size, size), dtype=np.uint8).tobytes(), i % classes, size, size)
+    writer.finish(encoding="raw", shape=[3, size, size], classes=[f"class{c}" for c in range(classes)],
+                  transform={}, source={"kind": "synthetic"}, tool_version="bench_gpu")
     return dst
 
 

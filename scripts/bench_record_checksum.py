@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from reader import PackedDataset  # noqa: E402
-from reader.format import Manifest, ShardInfo, file_checksum, open_shard_writer, shard_file_name  # noqa: E402
+from reader.format import DatasetWriter  # noqa: E402
 
 SIDE = 224
 BATCH = 256
@@ -33,16 +33,11 @@ def make_dataset(dst: Path, records: int) -> Path:
     """``records`` random raw 224x224 records in LMDB shards of 500."""
     rng = np.random.default_rng(0)
     dst.mkdir(parents=True)
-    shards = []
-    for first in range(0, records, 500):
-        path = dst / shard_file_name(len(shards), "lmdb")
-        writer = open_shard_writer("lmdb", path)
-        for _ in range(min(500, records - first)):
-            writer.append(rng.integers(0, 256, 3 * SIDE * SIDE, dtype=np.uint8).tobytes(), 0, SIDE, SIDE)
-        writer.finish()
-        shards.append(ShardInfo(path.name, writer.num_records, path.stat().st_size, file_checksum(path)))
-    Manifest(storage="lmdb", encoding="raw", shape=[3, SIDE, SIDE], classes=["x"], shards=shards,
-             transform={}, source={}, tool_version="bench").write(dst)
+    writer = DatasetWriter(dst, "lmdb", shard_size=500 * 3 * SIDE * SIDE)
+    for _ in range(records):
+        writer.add(rng.integers(0, 256, 3 * SIDE * SIDE, dtype=np.uint8).tobytes(), 0, SIDE, SIDE)
+    writer.finish(encoding="raw", shape=[3, SIDE, SIDE], classes=["x"], transform={}, source={},
+                  tool_version="bench")
     return dst
 
 

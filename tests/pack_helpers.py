@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from reader.format import load_manifest, read_record_table
+from reader.format import container, load_manifest
 
 
 def smooth_rgb(width: int, height: int, seed: int) -> np.ndarray:
@@ -54,7 +54,7 @@ def read_packed_records(dst: Path) -> list[tuple[bytes, int, int, int]]:
     manifest = load_manifest(dst)
     records = []
     for shard in manifest.shards:
-        table = read_record_table(manifest.storage, dst / shard.file)
+        table = container(manifest.storage).read_table(dst / shard.file, dst / shard.file)
         fd = os.open(dst / shard.file, os.O_RDONLY)
         try:
             for row in table:

@@ -9,7 +9,7 @@ import numpy as np
 from PIL import Image
 
 import packer
-from reader.format import Manifest, ShardInfo, file_checksum, open_shard_writer, shard_file_name
+from reader.format import DatasetWriter
 
 CLASSES = ["cat", "dog", "eel"]
 JPEG_QUALITY = 95
@@ -86,26 +86,16 @@ def write_dataset(
     encoding: str,
     records_per_shard: int,
 ) -> Path:
-    """Write ``images`` (HWC) as records in exactly this order, through ``reader.format``'s shard
-    writers rather than the packer (for tests that need that order); return ``dst``."""
-    dst.mkdir(parents=True, exist_ok=True)
-    shards = []
-    for first in range(0, len(images), records_per_shard):
-        path = dst / shard_file_name(len(shards), storage)
-        writer = open_shard_writer(storage, path)
-        for image, label in zip(images[first:first + records_per_shard],
-                                labels[first:first + records_per_shard]):
-            payload = _jpeg_bytes(image) if encoding == "jpeg" else image.transpose(2, 0, 1).tobytes()
-            writer.append(payload, label, image.shape[0], image.shape[1])
-        writer.finish()
-        shards.append(ShardInfo(file=path.name, records=writer.num_records, bytes=path.stat().st_size,
-                                checksum=file_checksum(path)))
+    """Write ``images`` (HWC) as records in exactly this order, through ``reader.format``'s
+    ``DatasetWriter`` rather than the packer (for tests that need that order); return ``dst``."""
+    payloads = [_jpeg_bytes(image) if encoding == "jpeg" else image.transpose(2, 0, 1).tobytes() for image in images]
+    writer = DatasetWriter(dst, storage, shard_size=records_per_shard * max(map(len, payloads)))
+    for image, payload, label in zip(images, payloads, labels):
+        writer.add(payload, label, image.shape[0], image.shape[1])
     sizes = {image.shape for image in images}
-    Manifest(
-        storage=storage, encoding=encoding, shape=[3, *images[0].shape[:2]] if len(sizes) == 1 else None,
-        classes=CLASSES, shards=shards, transform={}, source={"kind": "test"}, tool_version="test",
-        jpeg_quality=JPEG_QUALITY if encoding == "jpeg" else None,
-    ).write(dst)
+    writer.finish(encoding=encoding, classes=CLASSES, shape=[3, *images[0].shape[:2]] if len(sizes) == 1 else None,
+                  transform={}, source={"kind": "test"}, tool_version="test",
+                  jpeg_quality=JPEG_QUALITY if encoding == "jpeg" else None)
     return dst
 
 

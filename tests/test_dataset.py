@@ -167,7 +167,7 @@ def test_corrupt_jpeg_names_file_and_record(tmp_path, images):
         f.seek(int(ds._offsets[4]))
         f.write(b"\0" * 64)
     os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
-    with pytest.raises(FormatError, match=r"part-00000-shard-00000\.h5: record 4 .*not a valid JPEG"):
+    with pytest.raises(FormatError, match=r"part-00000-shard-00000\.h5: record 4 .*not a valid jpeg payload"):
         ds[4]
 
 

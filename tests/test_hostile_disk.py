@@ -126,23 +126,21 @@ def test_interrupted_pack_cleans_up_and_resumes(
 def test_failed_background_publish_leaves_no_temporary(tmp_path: Path, storage: str, monkeypatch) -> None:
     """The shard being published on the background thread fails (as on a full disk): its temporary
     (and HDF5 spool) are removed and the error reaches the caller."""
-    from packer.encoding import Encoded
-    from packer.shard_sequence import ShardSequence
-    from reader.format import open_shard_writer, shard_file_name
+    from reader.format import DatasetWriter, container
 
     def fail(self, table):
         raise OSError(28, "No space left on device")
 
-    writer_class = type(open_shard_writer(storage, tmp_path / "probe"))
+    writer_class = type(container(storage).writer(tmp_path / "probe"))
     (tmp_path / "probe.tmp").unlink(missing_ok=True)
     (tmp_path / "probe.spool").unlink(missing_ok=True)
     monkeypatch.setattr(writer_class, "_write_table", fail)
-    shards = ShardSequence(tmp_path, storage, 10, lambda number: shard_file_name(number, storage))
-    shards.add(Encoded(b"x" * 8, 1, 1), 0)
-    shards.add(Encoded(b"y" * 8, 1, 1), 0)  # closes shard 0: published in the background
+    shards = DatasetWriter(tmp_path, storage, 10)
+    shards.add(b"x" * 8, 0, 1, 1)
+    shards.add(b"y" * 8, 0, 1, 1)  # closes shard 0: published in the background
     with pytest.raises(OSError, match="No space left on device") as error:
         try:
-            shards.finish()
+            shards.finish_shards()
         except BaseException:
             shards.abort()  # as packing does
             raise

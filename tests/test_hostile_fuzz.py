@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hostile_helpers import flip_bytes, probe
 
-from reader.format import load_manifest, read_record_table
+from reader.format import container, load_manifest
 
 SEED = 8
 COPIES = 12
@@ -43,7 +43,7 @@ def test_flipped_bytes_never_give_anything_but_format_errors_or_right_data(
     for number in range(COPIES):
         shard_number = int(rng.integers(len(manifest.shards)))
         shard = manifest.shards[shard_number]
-        table = read_record_table(storage, dst / shard.file)
+        table = container(storage).read_table(dst / shard.file, dst / shard.file)
         positions = rng.integers(0, shard.bytes, int(rng.integers(1, MAX_FLIPS + 1)))
         copy = tmp_path / f"fuzz{number}"
         shutil.copytree(dst, copy)

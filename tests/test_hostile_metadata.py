@@ -18,7 +18,7 @@ from hostile_helpers import assert_one_line_error, edit_manifest, first_shard, f
 
 import packer
 from reader import PackedDataset
-from reader.format import FormatError, read_record_table
+from reader.format import FormatError, container
 from reader.format.lmdb_shard import TABLE_KEY
 
 
@@ -92,7 +92,7 @@ def rewrite_table(change: Callable[[np.ndarray, int], object], *words: str) -> C
     """Apply ``change(table, file_size)`` to the first shard's record table, store it, fix the manifest."""
     def damage(dst: Path) -> tuple[str, ...]:
         shard = first_shard(dst)
-        table = read_record_table("lmdb" if shard.suffix == ".lmdb" else "hdf5", shard)
+        table = container("lmdb" if shard.suffix == ".lmdb" else "hdf5").read_table(shard, shard)
         change(table, shard.stat().st_size)
         store_table(shard, table)
         set_manifest_bytes(dst, 0, shard.stat().st_size)
@@ -210,7 +210,7 @@ def test_shard_replaced_before_a_worker_opens_it_is_noticed(tmp_path: Path, make
 
 def test_verify_full_refuses_a_flipped_payload_byte_that_tables_cannot_see(packed: Path) -> None:
     shard = first_shard(packed)
-    offset = int(read_record_table(packer.info(packed).storage, shard)[1]["offset"])
+    offset = int(container(packer.info(packed).storage).read_table(shard, shard)[1]["offset"])
     flip_bytes(shard, np.array([offset + 100]))
     assert PackedDataset(packed)[1][1] == 0  # the label and table are intact; one pixel is not
     with pytest.raises(FormatError, match=rf"{shard.name}: checksum mismatch"):

@@ -12,11 +12,11 @@ from PIL import Image, ImageOps
 from packer.transforms import (
     TransformSpec,
     center_crop_box,
-    encode,
     load_image,
     resize_target,
     to_rgb,
 )
+from reader.format import encoding
 
 
 def test_resize_target_follows_torchvision_shorter_side_rule() -> None:
@@ -143,12 +143,12 @@ def test_other_modes_use_pil_convert(mode: str) -> None:
 
 def test_raw_encoding_is_channel_major() -> None:
     pixels = smooth_rgb(5, 4, seed=4)
-    payload = encode(Image.fromarray(pixels, "RGB"), "raw", 90)
+    payload = encoding("raw").encode(Image.fromarray(pixels, "RGB"), 90)
     np.testing.assert_array_equal(np.frombuffer(payload, np.uint8).reshape(3, 4, 5), pixels.transpose(2, 0, 1))
 
 
 def test_jpeg_encoding_is_baseline_420_at_the_quality() -> None:
-    payload = encode(Image.fromarray(smooth_rgb(32, 24, seed=4), "RGB"), "jpeg", 75)
+    payload = encoding("jpeg").encode(Image.fromarray(smooth_rgb(32, 24, seed=4), "RGB"), 75)
     img = Image.open(io.BytesIO(payload))
     assert img.format == "JPEG" and img.size == (32, 24) and "progressive" not in img.info
     assert img.layer[0][1:3] == (2, 2)  # luma sampled 2x2 against chroma: 4:2:0

@@ -7,7 +7,7 @@ from typing import Callable
 import pytest
 
 import packer
-from reader.format import FormatError, load_manifest, read_record_table
+from reader.format import FormatError, container, load_manifest
 
 
 @pytest.mark.parametrize("storage", ["lmdb", "hdf5"])
@@ -25,7 +25,7 @@ def flip_byte_in_record(dst: Path, shard: int, record: int, at: int) -> None:
     """Flip one payload byte of a record, found through the shard's record table."""
     manifest = load_manifest(dst)
     path = dst / manifest.shards[shard].file
-    row = read_record_table(manifest.storage, path)[record]
+    row = container(manifest.storage).read_table(path, path)[record]
     data = bytearray(path.read_bytes())
     data[int(row["offset"]) + at] ^= 0xFF
     path.write_bytes(bytes(data))

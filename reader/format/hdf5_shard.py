@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator
 
 import h5py
 import numpy as np
 
-from reader.format.manifest import FormatError
-from reader.format.records import RECORD_TABLE_DTYPE
-from reader.format.shards import ShardWriter
+from reader.format.container import Container, ShardWriter
+from reader.format.errors import FormatError
+from reader.format.records import RECORD_TABLE_DTYPE, check_table_layout
 
 RECORDS_DATASET = "records"
 TABLE_DATASET = "table"
@@ -101,11 +102,7 @@ def read_hdf5_table(path: str | Path, shown: Path, records: int | None = None) -
     try:
         with open_readonly(Path(path)) as f:
             table = internal_dataset(f, TABLE_DATASET, shown)
-            if table.dtype != RECORD_TABLE_DTYPE or len(table.shape) != 1:
-                raise FormatError(f"{shown}: record table has dtype {table.dtype} and shape {table.shape}, "
-                                  f"expected {RECORD_TABLE_DTYPE} rows")
-            if records is not None and table.shape[0] != records:
-                raise FormatError(f"{shown}: record table has {table.shape[0]} rows, the manifest says {records}")
+            check_table_layout(table.dtype, table.shape, shown, records)
             if table.shape[0] * RECORD_TABLE_DTYPE.itemsize > os.stat(path).st_size:
                 raise FormatError(f"{shown}: record table claims {table.shape[0]} rows, more than the file "
                                   "can hold uncompressed; refused")
@@ -114,3 +111,31 @@ def read_hdf5_table(path: str | Path, shown: Path, records: int | None = None) -
         if isinstance(e, FormatError):
             raise
         raise FormatError(f"{shown}: cannot be read as an HDF5 shard ({e})") from None
+
+
+class Hdf5Container(Container):
+    storage = "hdf5"
+    suffix = ".h5"
+    temporary_suffixes = (".tmp", ".spool")
+
+    def writer(self, path: Path) -> ShardWriter:
+        return Hdf5ShardWriter(path)
+
+    def read_table(self, path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
+        return read_hdf5_table(path, shown, records)
+
+    def read_records(
+        self, path: str | os.PathLike, file_size: int, shown: Path, table: np.ndarray
+    ) -> Iterator[bytes | None]:
+        """Slices of ``/records`` (refused unless stored in this file: ``internal_dataset``)."""
+        try:
+            with open_readonly(Path(path)) as f:
+                records = internal_dataset(f, RECORDS_DATASET, shown)
+                start = 0
+                for nbytes in table["nbytes"].tolist():
+                    yield records[start : start + nbytes].tobytes() if start + nbytes <= records.shape[0] else None
+                    start += nbytes
+        except HDF5_ERRORS as e:
+            if isinstance(e, FormatError):
+                raise
+            raise FormatError(f"{shown}: the HDF5 shard is damaged ({e})") from None

@@ -12,14 +12,16 @@ import errno
 import io
 import os
 import struct
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import lmdb
 import numpy as np
 
-from reader.format.manifest import FormatError
+from reader.format.container import Container, ShardWriter
+from reader.format.errors import FormatError
 from reader.format.records import parse_npy_table
-from reader.format.shards import ShardWriter
 
 TABLE_KEY = b"~table"
 _COMMIT_BYTES = 64 << 20
@@ -169,11 +171,13 @@ def bounded_value(view: memoryview, map_address: int, file_size: int, shown: Pat
     return bytes(view)
 
 
-def read_lmdb_table(path: str | Path, shown: Path, records: int | None = None) -> np.ndarray:
-    """The record table of the LMDB shard at ``path`` (named ``shown`` in errors), checked before
-    anything is mapped or allocated: meta pages inside the file, the value inside the file, an
-    ``.npy`` header of the record-table dtype and ``records`` rows."""
-    file_size = os.stat(path).st_size
+@contextmanager
+def _checked_values(
+    path: str | os.PathLike, file_size: int, shown: Path
+) -> Iterator[Callable[[bytes, str], bytes | None]]:
+    """A read transaction on the shard at ``path``, after its meta pages are checked against the file,
+    as a function from a key to its value (copied only from inside the file: ``bounded_value``; None
+    when absent). LMDB errors become ``FormatError`` naming ``shown``."""
     check_lmdb_meta(path, file_size, shown)
     try:
         env = open_readonly(Path(path))
@@ -182,12 +186,42 @@ def read_lmdb_table(path: str | Path, shown: Path, records: int | None = None) -
     try:
         map_address = mapping_address(Path(path))
         with env.begin(buffers=True) as txn:
-            view = txn.get(TABLE_KEY)
-            blob = None if view is None else bounded_value(view, map_address, file_size, shown, "record table")
+            def value(key: bytes, what: str) -> bytes | None:
+                view = txn.get(key)
+                return None if view is None else bounded_value(view, map_address, file_size, shown, what)
+
+            yield value
     except lmdb.Error as e:
         raise FormatError(f"{shown}: the LMDB shard is damaged ({e})") from None
     finally:
         env.close()
+
+
+def read_lmdb_table(path: str | Path, shown: Path, records: int | None = None) -> np.ndarray:
+    """The record table of the LMDB shard at ``path`` (named ``shown`` in errors), checked before
+    anything is mapped or allocated: meta pages inside the file, the value inside the file, an
+    ``.npy`` header of the record-table dtype and ``records`` rows."""
+    with _checked_values(path, os.stat(path).st_size, shown) as value:
+        blob = value(TABLE_KEY, "record table")
     if blob is None:
         raise FormatError(f"{shown}: LMDB shard has no record table (key {TABLE_KEY!r})")
     return parse_npy_table(blob, shown, records)
+
+
+class LmdbContainer(Container):
+    storage = "lmdb"
+    suffix = ".lmdb"
+
+    def writer(self, path: Path) -> ShardWriter:
+        return LmdbShardWriter(path)
+
+    def read_table(self, path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
+        return read_lmdb_table(path, shown, records)
+
+    def read_records(
+        self, path: str | os.PathLike, file_size: int, shown: Path, table: np.ndarray
+    ) -> Iterator[bytes | None]:
+        """``txn.get`` of every record key, copied only from inside the file (``bounded_value``)."""
+        with _checked_values(path, file_size, shown) as value:
+            for index in range(len(table)):
+                yield value(record_key(index), f"record {index}")

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import xxhash
 
+from reader.format.durable import write_file_atomically
 from reader.format.errors import FormatError
 from reader.format.manifest_schema import check_manifest_data
 
@@ -140,27 +141,3 @@ def file_checksum(path: str | os.PathLike, progress: Callable[[int], object] | N
             if progress is not None:
                 progress(n)
     return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make renames inside ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old file or the whole new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, e.strerror, str(tmp)) from None
-    os.replace(tmp, path)
-    fsync_directory(path.parent)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from reader.format.errors import FormatError
-from reader.format.records import ENCODINGS, MAX_SIDE, STORAGES
+from reader.format.records import MAX_SIDE
+from reader.format.registry import ENCODINGS, STORAGES
 
 SHARD_KEYS = {"file": str, "records": int, "bytes": int, "checksum": str}
 _FIELDS = {

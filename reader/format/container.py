@@ -1,4 +1,9 @@
-"""Shard files: one writer class per storage behind a small base class, and the record-table reader.
+"""What a shard container is: the base classes every container (LMDB, HDF5, ...) implements.
+
+A ``Container`` owns everything about one kind of shard file: its file suffix, the names of its
+temporary files, its ``ShardWriter``, its record-table reader and its own per-record read (used by
+``packer verify --deep`` to check the record table's offsets against the container's API). The
+containers are registered in ``reader.format.containers``; nothing else knows their details.
 
 A writer takes records in order and produces a complete shard only in ``finish()``: until then the
 data lives under a temporary name, so a crash never leaves a file that looks like a finished shard.
@@ -13,9 +18,8 @@ from typing import Iterator
 
 import numpy as np
 
-from reader.format.manifest import FormatError, ShardInfo, file_checksum, fsync_directory
-from reader.format.records import RECORD_TABLE_DTYPE, STORAGES, table_problems
-from reader.format.shard_files import FileIdentity, checked_shard, fd_path
+from reader.format.durable import fsync_directory
+from reader.format.records import RECORD_TABLE_DTYPE
 
 
 class ShardWriter(abc.ABC):
@@ -92,52 +96,26 @@ class ShardWriter(abc.ABC):
     def _close(self) -> None: ...
 
 
-def open_shard_writer(storage: str, path: Path) -> ShardWriter:
-    """A writer for a new shard at ``path`` in the given storage (``"lmdb"`` or ``"hdf5"``)."""
-    from reader.format.hdf5_shard import Hdf5ShardWriter
-    from reader.format.lmdb_shard import LmdbShardWriter
+class Container(abc.ABC):
+    """One kind of shard file. Subclasses set ``storage`` (the manifest's name for it), ``suffix`` and
+    ``temporary_suffixes`` (what the writer appends to a shard's name for its files in progress)."""
 
-    writers = {"lmdb": LmdbShardWriter, "hdf5": Hdf5ShardWriter}
-    if storage not in writers:
-        raise ValueError(f"unknown storage {storage!r}: expected one of {', '.join(STORAGES)}")
-    return writers[storage](path)
+    storage: str
+    suffix: str
+    temporary_suffixes: tuple[str, ...] = (".tmp",)
 
+    @abc.abstractmethod
+    def writer(self, path: Path) -> ShardWriter:
+        """A writer for a new shard at ``path``."""
 
-def read_record_table(
-    storage: str, path: str | os.PathLike, records: int | None = None, shown: os.PathLike | None = None
-) -> np.ndarray:
-    """The record table stored inside the shard at ``path`` (opened read-only, no lock files).
+    @abc.abstractmethod
+    def read_table(self, path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
+        """The record table inside the shard at ``path`` (opened read-only, no lock files), checked for
+        the record-table dtype and ``records`` rows; errors are ``FormatError`` naming ``shown``."""
 
-    ``records`` (the manifest's count) is checked before the table is read; errors name ``shown``
-    (default ``path``). For a shard of a dataset, ``load_shard_table`` first checks the file itself.
-    """
-    from reader.format.hdf5_shard import read_hdf5_table
-    from reader.format.lmdb_shard import read_lmdb_table
-
-    readers = {"lmdb": read_lmdb_table, "hdf5": read_hdf5_table}
-    return readers[storage](path, Path(shown or path), records)
-
-
-def load_shard_table(
-    root: Path, storage: str, shard: ShardInfo, num_classes: int, encoding: str, shape: list[int] | None,
-    checksum: bool = False,
-) -> tuple[FileIdentity, np.ndarray]:
-    """A dataset shard's identity and record table, after every check that is cheap at open time.
-
-    The file is checked before any container library sees it (``check_shard_file``: plain name,
-    regular file, manifest size), its table is read through the checked descriptor, and its rows must
-    pass ``table_problems`` (labels index a class, payloads inside the file, sizes consistent with the
-    encoding and shape). With ``checksum``, the whole file must also have the manifest's checksum
-    (this reads the whole shard once). Raises ``FormatError`` naming the shard and, for a bad row, the
-    record.
-    """
-    path = root / shard.file
-    with checked_shard(root, shard) as (fd, identity):
-        if checksum and file_checksum(fd_path(fd)) != shard.checksum:
-            raise FormatError(f"{path}: checksum mismatch (the file is corrupt or changed)")
-        table = read_record_table(storage, fd_path(fd), shard.records, shown=path)
-    problems = table_problems(table, num_classes, encoding, shape, identity.size)
-    if problems:
-        what, rows = min(problems, key=lambda problem: problem[1][0])
-        raise FormatError(f"{path}: record {rows[0]}: {what}")
-    return identity, table
+    @abc.abstractmethod
+    def read_records(
+        self, path: str | os.PathLike, file_size: int, shown: Path, table: np.ndarray
+    ) -> Iterator[bytes | None]:
+        """Each record's payload as the container's own API returns it (None where it is absent),
+        never reading past the file's end nor from other files; ``FormatError`` for a damaged shard."""

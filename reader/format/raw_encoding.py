@@ -1,0 +1,19 @@
+"""``raw``: uint8 RGB pixels, channel-major ``(3, H, W)``: exactly the tensor a model gets."""
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from reader.format.encoding import Encoding
+
+
+class RawEncoding(Encoding):
+    name = "raw"
+    stores_pixels = True
+    size_rule = "3*H*W bytes"
+
+    def encode(self, image: Image.Image, quality: int) -> bytes:
+        return b"".join(image.tobytes("raw", band) for band in "RGB")  # one plane per channel
+
+    def payload_nbytes(self, height: np.ndarray, width: np.ndarray) -> np.ndarray:
+        return 3 * height * width

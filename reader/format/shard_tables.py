@@ -1,0 +1,37 @@
+"""A dataset shard's record table, read through its container after the file itself is checked."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from reader.format import registry
+from reader.format.errors import FormatError
+from reader.format.manifest import ShardInfo, file_checksum
+from reader.format.records import table_problems
+from reader.format.shard_files import FileIdentity, checked_shard, fd_path
+
+
+def load_shard_table(
+    root: Path, storage: str, shard: ShardInfo, num_classes: int, encoding: str, shape: list[int] | None,
+    checksum: bool = False,
+) -> tuple[FileIdentity, np.ndarray]:
+    """A dataset shard's identity and record table, after every check that is cheap at open time.
+
+    The file is checked before any container library sees it (``check_shard_file``: plain name,
+    regular file, manifest size), its table is read through the checked descriptor, and its rows must
+    pass ``table_problems`` (labels index a class, payloads inside the file, sizes consistent with the
+    encoding and shape). With ``checksum``, the whole file must also have the manifest's checksum
+    (this reads the whole shard once). Raises ``FormatError`` naming the shard and, for a bad row, the
+    record.
+    """
+    path = root / shard.file
+    with checked_shard(root, shard) as (fd, identity):
+        if checksum and file_checksum(fd_path(fd)) != shard.checksum:
+            raise FormatError(f"{path}: checksum mismatch (the file is corrupt or changed)")
+        table = registry.container(storage).read_table(fd_path(fd), path, shard.records)
+    problems = table_problems(table, num_classes, registry.encoding(encoding), shape, identity.size)
+    if problems:
+        what, rows = min(problems, key=lambda problem: problem[1][0])
+        raise FormatError(f"{path}: record {rows[0]}: {what}")
+    return identity, table
