@@ -1,15 +1,17 @@
 """Pack an image folder once into LMDB or HDF5 shards of pre-transformed images (``pack``, whole or
 one task's share of the partitions, then ``merge_parts``), join finished datasets (``join_datasets``),
-and inspect (``info``) or check (``verify``) a packed dataset. ``packer`` on the command line."""
+inspect (``info``, ``class_counts``), look at (``show``) or check (``verify``) a packed dataset.
+``packer`` on the command line."""
 from packer.errors import PackError
-from packer.inspection import DatasetInfo, info
+from packer.inspection import DatasetInfo, class_counts, info
 from packer.joining import join_datasets
 from packer.merging import merge_parts
 from packer.packing import pack
+from packer.showing import show
 from packer.verification import VerifyReport, verify
 from packer.version import __version__
 
 __all__ = [
-    "DatasetInfo", "PackError", "VerifyReport", "__version__", "info", "join_datasets", "merge_parts", "pack",
-    "verify",
+    "DatasetInfo", "PackError", "VerifyReport", "__version__", "class_counts", "info", "join_datasets",
+    "merge_parts", "pack", "show", "verify",
 ]

@@ -13,18 +13,21 @@ import click
 
 from packer.cleanup import Terminated
 from packer.errors import PackError
-from packer.inspection import DatasetInfo, describe_transform, info
+from packer.inspection import DatasetInfo, class_counts, describe_transform, info
 from packer.joining import join_datasets
+from packer.labels_file import declare_field
 from packer.merging import merge_parts
 from packer.packing import ON_ERROR, pack
 from packer.partitions import Part, parse_part
 from packer.ray_runner import ray_runner
 from packer.resampling import RESAMPLERS
+from packer.showing import show
 from packer.sources import LABEL_KINDS
 from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
 from packer.verification import verify
 from packer.version import __version__
 from reader.format import ENCODINGS, STORAGES, FormatError, Manifest, load_manifest
+from reader.format.fields import FieldSpec
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -99,6 +102,20 @@ class CommaSeparated(click.ParamType):
         return [self.item.convert(item, param, ctx) for item in items]
 
 
+class FieldDeclaration(click.ParamType):
+    """``NAME:TYPE``, ``NAME:vector:LENGTH`` or ``NAME:labels:CLASS,...`` (``packer.labels_file``)."""
+
+    name = "NAME:TYPE"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> FieldSpec:
+        if isinstance(value, FieldSpec):
+            return value
+        try:
+            return declare_field(str(value))
+        except PackError as e:
+            self.fail(str(e), param, ctx)
+
+
 @click.group()
 @click.version_option(__version__, prog_name="packer")
 def main() -> None:
@@ -109,7 +126,11 @@ def main() -> None:
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--labels", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="CSV of path,label rows (paths relative to SRC) instead of class sub-folders.")
+              help="CSV of path,label[,FIELD...] rows or a .jsonl file (paths relative to SRC) instead of class "
+              "sub-folders; other columns or keys become each record's fields.")
+@click.option("--field", "fields", type=FieldDeclaration(), multiple=True,
+              help="Declare a labels-file field's type instead of inferring it: NAME:int|float|str|labels|boxes, "
+              "NAME:vector:LENGTH, NAME:labels:CLASS,CLASS,... (repeatable).")
 @click.option("--format", "storage", type=click.Choice(STORAGES), default="lmdb", show_default=True,
               help="Shard container.")
 @click.option("--resize", type=ImageSize(), help="Shorter side to N (aspect kept), or exactly WxH.")
@@ -141,7 +162,7 @@ def main() -> None:
 @click.option("--resampler", type=click.Choice(RESAMPLERS),
               help="Who resizes [default: pil with pillow-simd, torch with plain Pillow].")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def pack_command(src: Path, dst: Path, labels: Path | None, storage: str,
+def pack_command(src: Path, dst: Path, labels: Path | None, fields: tuple[FieldSpec, ...], storage: str,
                  resize: int | tuple[int, int] | None, crop: int | tuple[int, int] | None,
                  encoding: str, quality: int, shard_size: int, workers: int | None, on_error: str,
                  force: bool, max_pixels: int, max_file_bytes: int, label_kind: str,
@@ -154,6 +175,7 @@ def pack_command(src: Path, dst: Path, labels: Path | None, storage: str,
                         on_error=on_error, force=force, progress=not quiet, max_pixels=max_pixels,
                         max_file_bytes=max_file_bytes, label_kind=label_kind,
                         partitions=partitions, part=part, resampler=resampler,
+                        fields={field.name: field for field in fields},
                         runner=None if ray_address is None else ray_runner(ray_address, workers or None))
     except (PackError, FormatError) as e:
         raise click.ClickException(str(e)) from None
@@ -192,16 +214,39 @@ def merge_command(dst: Path, inputs: tuple[Path, ...], force: bool) -> None:
 @main.command("info")
 @click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def info_command(dataset: Path, as_json: bool) -> None:
+@click.option("--classes", "with_classes", is_flag=True,
+              help="Also list every class with its number of records (reads the record tables).")
+def info_command(dataset: Path, as_json: bool, with_classes: bool) -> None:
     """Show what the packed DATASET holds and how it was made."""
     try:
         summary = info(dataset)
+        counts = class_counts(dataset) if with_classes else None
     except FormatError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps(summary.to_dict(), indent=2))
-    else:
-        _print_info(summary)
+        click.echo(json.dumps({**summary.to_dict(), **({"class_counts": counts} if with_classes else {})}, indent=2))
+        return
+    _print_info(summary)
+    for name, count in (counts or {}).items():
+        click.echo(f"  class {name}: {count}")
+
+
+@main.command("show")
+@click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("indices", nargs=-1, required=True, type=int)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
+              help="Folder to write the PNG files into.")
+@click.option("--sheet", is_flag=True, help="One contact sheet (sheet.png) instead of one PNG per record.")
+def show_command(dataset: Path, indices: tuple[int, ...], out: Path, sheet: bool) -> None:
+    """Write records INDICES of DATASET as PNG files, with their label, source path and fields."""
+    try:
+        shown = show(dataset, list(indices), out, sheet=sheet)
+    except (PackError, FormatError) as e:
+        raise click.ClickException(str(e)) from None
+    for record in shown:
+        fields = f" {json.dumps(record.fields)}" if record.fields else ""
+        click.echo(f"{record.index}: {record.label if record.label is not None else '(no label)'} "
+                   f"{record.source or '(source not stored)'}{fields} -> {record.file}")
 
 
 @main.command("verify")
@@ -280,7 +325,9 @@ def _print_info(summary: DatasetInfo) -> None:
     source = summary.source
     rows = [
         ("dataset", summary.path),
-        ("records", f"{summary.records} in {len(summary.classes)} classes ({classes})"),
+        ("records", f"{summary.records} in {len(summary.classes)} classes ({classes})" if summary.labelled
+         else f"{summary.records}, unlabelled"),
+        ("fields", ", ".join(f"{f['name']}:{f['type']}" for f in summary.fields) or "none"),
         ("shards", f"{summary.shards} {summary.storage} files, {_megabytes(summary.bytes_on_disk)} on disk"),
         ("encoding", encoding),
         ("shape", "variable (no crop)" if summary.shape is None else "x".join(map(str, summary.shape))),

@@ -7,7 +7,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from reader.format import MANIFEST_NAME, load_manifest
+import numpy as np
+
+from reader.format import MANIFEST_NAME, load_manifest, load_shard_table
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class DatasetInfo:
     source: dict[str, Any]
     tool_version: str
     format_version: int
+    fields: list[dict[str, Any]]
+    labelled: bool
 
     @property
     def skipped(self) -> list[dict[str, str]]:
@@ -56,7 +60,24 @@ def info(path: str | os.PathLike) -> DatasetInfo:
         source=manifest.source,
         tool_version=manifest.tool_version,
         format_version=manifest.format_version,
+        fields=[field.to_json() for field in manifest.fields],
+        labelled=manifest.labelled,
     )
+
+
+def class_counts(path: str | os.PathLike) -> dict[str, int]:
+    """How many records each class has, counted from the shards' record tables (each shard is checked
+    as the reader checks it); empty for an unlabelled dataset."""
+    root = Path(path)
+    manifest = load_manifest(root)
+    if not manifest.labelled:
+        return {}
+    counts = np.zeros(len(manifest.classes), dtype=np.int64)
+    for shard in manifest.shards:
+        _, table = load_shard_table(root, manifest.storage, shard, manifest.label_range, manifest.encoding,
+                                    manifest.shape)
+        counts += np.bincount(table["label"], minlength=len(manifest.classes))
+    return dict(zip(manifest.classes, counts.tolist()))
 
 
 def describe_transform(transform: dict[str, Any]) -> str:

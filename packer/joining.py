@@ -27,7 +27,7 @@ from packer.version import __version__
 from reader.format import Manifest, ShardInfo, load_manifest, shard_file_name
 from reader.format.durable import fsync_directory
 
-_MUST_MATCH = ("storage", "encoding", "shape", "jpeg_quality")
+_MUST_MATCH = ("storage", "encoding", "shape", "jpeg_quality", "fields", "labelled", "format_version")
 _LINK_REFUSED = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
@@ -66,7 +66,8 @@ def join_datasets(
     joined = Manifest(
         storage=first.storage, encoding=first.encoding, shape=first.shape, classes=classes, shards=shards,
         transform=first.transform, source=_joined_source(paths, manifests), tool_version=__version__,
-        jpeg_quality=first.jpeg_quality,
+        jpeg_quality=first.jpeg_quality, fields=first.fields, labelled=first.labelled,
+        format_version=first.format_version,
     )
     joined.write(out)
     return JoinReport(joined, linked, len(shards) - linked)

@@ -134,6 +134,8 @@ def plan_fingerprint(plan: Plan, options: dict[str, Any]) -> str:
     digest.update(json.dumps(header, sort_keys=True).encode())
     digest.update("\0".join(plan.paths).encode("utf-8", "surrogateescape"))  # names need not be UTF-8
     digest.update(plan.labels.tobytes())
+    fields = {f.name: {"spec": f.to_json(), "values": plan.values[f.name]} for f in plan.fields}
+    digest.update(json.dumps({"labelled": plan.labelled, "fields": fields}, sort_keys=True).encode())
     return digest.hexdigest()
 
 

@@ -12,6 +12,7 @@ from packer.destination import PLAN_NAME, remove_own_files
 from packer.errors import PackError
 from packer.journal import PartRecord, PlanRecord, part_problem
 from reader.format import MANIFEST_NAME, Manifest
+from reader.format.fields import FieldSpec
 
 _SHOWN_PROBLEMS = 5
 
@@ -58,4 +59,6 @@ def assemble_manifest(plan: PlanRecord, records: list[PartRecord]) -> Manifest:
     if packed == 0:
         raise PackError(f"{source['root']}: every one of the {source['files']} images was skipped; nothing to pack")
     source.update(packed=packed, skipped=[{"path": s.path, "reason": s.reason} for s in skipped])
-    return Manifest(**{**plan.manifest, "source": source, "shards": [s for r in records for s in r.shards]})
+    fields = [FieldSpec.from_json(f, PLAN_NAME) for f in plan.manifest.get("fields", [])]
+    shards = [s for r in records for s in r.shards]
+    return Manifest(**{**plan.manifest, "source": source, "shards": shards, "fields": fields})

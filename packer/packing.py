@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from tqdm import tqdm
 
@@ -20,6 +20,7 @@ from packer.cleanup import cleaned_up_on_failure
 from packer.destination import PLAN_NAME, check_destination, partition_files, remove_files, remove_own_files
 from packer.errors import PackError
 from packer.journal import PartRecord, PlanRecord, part_problem, plan_fingerprint
+from packer.labels_file import declare_field
 from packer.merging import write_manifest
 from packer.partitions import Part, Partition, cut, default_partition_count, parse_part
 from packer.pipeline import PackSettings, PartitionTask, pack_partitions
@@ -28,6 +29,7 @@ from packer.sources import Plan, scan_source
 from packer.transforms import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS, TransformSpec
 from packer.version import __version__
 from reader.format import FORMAT_VERSION, MANIFEST_NAME, STORAGES, Manifest
+from reader.format.fields import FieldSpec
 
 ON_ERROR = ("fail", "skip")
 
@@ -56,6 +58,7 @@ def pack(
     part: Part | str | None = None,
     resampler: str | None = None,
     runner: Runner | None = None,
+    fields: Mapping[str, str | FieldSpec] | None = None,
 ) -> Manifest | None:
     """Pack the images under ``src`` into the dataset directory ``dst`` and return its manifest.
 
@@ -75,7 +78,10 @@ def pack(
     Source files over ``max_file_bytes`` (or not regular files) are per-file errors; ``label_kind``
     (``auto``, ``index``, ``name``) says how a CSV's labels are read (``packer.sources``). A failed or
     interrupted pack (a full disk, SIGINT, SIGTERM) leaves no temporary file of its own
-    (``packer.cleanup``). Raises ``PackError`` on bad input and for a full disk.
+    (``packer.cleanup``). ``labels`` may also be a JSON Lines file, and a labels file's other columns or
+    keys are stored as each record's fields (``packer.labels_file``), typed by ``fields`` where given
+    (``{"emb": "vector:128", "tags": "labels"}`` or ``FieldSpec``s), inferred otherwise. Every record
+    also keeps its source path. Raises ``PackError`` on bad input and for a full disk.
     """
     spec = _transform_spec(resize, crop, encoding, quality, max_pixels, max_file_bytes, resampler)
     _check_options(storage, shard_size, on_error)
@@ -83,7 +89,10 @@ def pack(
     task_part = parse_part(part) if isinstance(part, str) else part
     dst = Path(dst)
     check_destination(dst, force)
-    plan = scan_source(src, labels, on_error, max_file_bytes=max_file_bytes, label_kind=label_kind, exclude=dst)
+    declared = {name: spec if isinstance(spec, FieldSpec) else declare_field(f"{name}:{spec}")
+                for name, spec in (fields or {}).items()}
+    plan = scan_source(src, labels, on_error, max_file_bytes=max_file_bytes, label_kind=label_kind, exclude=dst,
+                       fields=declared)
     if not len(plan):
         raise PackError(f"{src}: no images to pack ({_empty_reason(plan)})")
     all_partitions = cut(len(plan), partitions or default_partition_count(len(plan)))
@@ -103,7 +112,8 @@ def pack(
         done = _finished_parts(dst, plan_record, mine)
         done_indices = {r.partition.index for r in done}
         _clear_leftovers(dst, done_indices, {p.index for p in mine} - done_indices, whole_plan=task_part is None)
-        settings = PackSettings(dst, plan.root, storage, shard_size, spec, on_error, plan_record.fingerprint)
+        settings = PackSettings(dst, plan.root, storage, shard_size, spec, on_error, plan_record.fingerprint,
+                                tuple(plan.fields))
         tasks = [_task(settings, plan, p) for p in mine if p.index not in done_indices]
         total = sum(len(p) for p in mine)
         with tqdm(total=total, initial=total - sum(len(t.partition) for t in tasks), unit="img",
@@ -131,6 +141,8 @@ def _plan_record(
         "source": {"kind": plan.kind, "root": str(plan.root), "files": plan.files},
         "tool_version": __version__,
         "jpeg_quality": spec.quality if spec.encoding == "jpeg" else None,
+        "fields": [field.to_json() for field in plan.fields],
+        "labelled": plan.labelled,
     }
     PlanRecord(fingerprint, partitions, manifest, plan.skipped).save(dst)
     saved = PlanRecord.load(dst)
@@ -162,9 +174,9 @@ def _finished_parts(dst: Path, plan: PlanRecord, partitions: list[Partition]) ->
 
 
 def _task(settings: PackSettings, plan: Plan, partition: Partition) -> PartitionTask:
-    return PartitionTask(
-        settings, partition, plan.paths[partition.start : partition.end], plan.labels[partition.start : partition.end]
-    )
+    taken = slice(partition.start, partition.end)
+    return PartitionTask(settings, partition, plan.paths[taken], plan.labels[taken],
+                         {name: values[taken] for name, values in plan.values.items()})
 
 
 def _transform_spec(

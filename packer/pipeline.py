@@ -17,7 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -33,6 +33,7 @@ from packer.partitions import Partition
 from packer.sources import Skipped, display_name
 from packer.transforms import TransformSpec
 from reader.format import DatasetWriter
+from reader.format.fields import FieldSpec
 
 _PROGRESS_SECONDS = 0.2
 
@@ -48,16 +49,19 @@ class PackSettings:
     spec: TransformSpec
     on_error: str
     fingerprint: str
+    fields: tuple[FieldSpec, ...] = ()
 
 
 @dataclass(frozen=True)
 class PartitionTask:
-    """One partition to pack: its range, and its images' paths (relative to the root) and labels."""
+    """One partition to pack: its range, and its images' paths (relative to the root), labels and
+    field values (one list per field)."""
 
     settings: PackSettings
     partition: Partition
     paths: list[str]
     labels: np.ndarray
+    values: dict[str, list[Any]] = field(default_factory=dict)
 
 
 class Stopped(Exception):
@@ -109,10 +113,12 @@ def _encode_partition(
     shards = DatasetWriter(
         settings.dst, settings.storage, settings.shard_size,
         lambda number: partition_shard_name(partition.index, number, settings.storage),
+        fields=settings.fields,
     )
     skipped: list[tuple[int, Skipped]] = []
     try:
-        for position, path, label in zip(range(partition.start, partition.end), task.paths, task.labels):
+        for k, (position, path, label) in enumerate(zip(range(partition.start, partition.end), task.paths,
+                                                        task.labels)):
             if should_stop is not None and should_stop():
                 raise Stopped
             result = encode_file(str(settings.root / path), settings.spec)
@@ -121,7 +127,8 @@ def _encode_partition(
                     raise PackError(f"{settings.root / display_name(path)}: {result.reason}")
                 skipped.append((position, Skipped(display_name(path), result.reason)))
             else:
-                shards.add(result.payload, int(label), result.height, result.width)
+                shards.add(result.payload, int(label), result.height, result.width, source=display_name(path),
+                           fields={name: values[k] for name, values in task.values.items()})
             if on_record is not None:
                 on_record(1)
     except BaseException:

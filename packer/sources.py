@@ -1,4 +1,4 @@
-"""Scanning the source: an ImageFolder tree or a CSV of ``path,label`` rows, into an ordered plan.
+"""Scanning the source: an ImageFolder tree or a labels file (CSV or JSON Lines), into an ordered plan.
 
 ImageFolder follows torchvision exactly: classes are the sorted names of SRC's sub-folders, each class
 folder is walked recursively (following links) in sorted order, files are kept when their lower-cased
@@ -15,8 +15,9 @@ with its reason. File names need not be UTF-8: they are kept as Python reads the
 as surrogate escapes) to open the file, and written for people and the manifest with those bytes as
 ``\\xNN`` escapes (``display_name``), so a name never breaks the pack or the JSON.
 
-CSV: one ``path,label`` row per image (an optional ``path,label`` header, blank lines ignored), paths
-relative to SRC and staying inside it, each listed once, rows kept in file order. ``label_kind``:
+Labels file (``packer.labels_file``: a CSV of ``path,label`` rows, optionally with a header and more
+columns, or JSON Lines; blank lines ignored): paths relative to SRC and staying inside it, each listed
+once, rows kept in file order; the other columns or keys are the records' extra fields. ``label_kind``:
 ``index`` keeps integer labels as they are (``classes`` are the string forms of ``0..max``, at most
 ``MAX_INDEX_CLASSES``); ``name`` takes labels as class names (``classes`` the sorted distinct names);
 ``auto`` (the default) chooses ``index`` when every label is a non-negative integer and ``name`` when
@@ -24,18 +25,19 @@ none is, and refuses a mix, naming the first row that does not fit, instead of s
 """
 from __future__ import annotations
 
-import csv
 import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
 
 from packer.errors import PackError
+from packer.labels_file import field_specs, parse_values, read_label_rows
 from packer.transforms import DEFAULT_MAX_FILE_BYTES, IMAGE_EXTENSIONS
+from reader.format.fields import FieldSpec
 
-_HEADER = ["path", "label"]
 LABEL_KINDS = ("auto", "index", "name")
 # Integer labels name classes 0..max: more than this many classes is refused (10^9 would exhaust memory).
 MAX_INDEX_CLASSES = 1_000_000
@@ -54,7 +56,9 @@ class Plan:
     """What to pack, in dataset order: ``paths`` relative to ``root`` and their int64 ``labels``.
 
     ``files`` counts the image files the source named; ``skipped`` holds those already left out while
-    scanning (only with ``on_error="skip"``: CSV rows naming a file that does not exist).
+    scanning (only with ``on_error="skip"``: CSV rows naming a file that does not exist). ``fields``
+    is the schema of the extra fields and ``values`` their parsed values, one list per field aligned
+    with ``paths``; ``labelled`` is False for a labels file without labels (then every label is -1).
     """
 
     kind: str
@@ -64,6 +68,9 @@ class Plan:
     labels: np.ndarray
     files: int
     skipped: list[Skipped] = field(default_factory=list)
+    fields: list[FieldSpec] = field(default_factory=list)
+    values: dict[str, list[Any]] = field(default_factory=dict)
+    labelled: bool = True
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -82,8 +89,10 @@ def scan_source(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     label_kind: str = "auto",
     exclude: str | os.PathLike | None = None,
+    fields: Mapping[str, FieldSpec] | None = None,
 ) -> Plan:
-    """The plan for ``src``: an ImageFolder tree, or the CSV file ``labels`` when one is given.
+    """The plan for ``src``: an ImageFolder tree, or the labels file ``labels`` (CSV or JSON Lines,
+    ``packer.labels_file``) when one is given, with its fields typed by ``fields`` where declared.
 
     ``exclude`` (the destination) is a folder left out of an ImageFolder scan.
     """
@@ -94,8 +103,11 @@ def scan_source(
         raise PackError(f"label kind {label_kind!r} is not one of {', '.join(LABEL_KINDS)}")
     files = _FileCheck(root, on_error, max_file_bytes)
     if labels is None:
+        if fields:
+            raise PackError(f"fields {', '.join(fields)} are declared, but an image folder has no fields "
+                            "(pass a labels file with those columns)")
         return scan_image_folder(root, files, exclude)
-    return scan_csv(root, Path(labels), files, label_kind)
+    return scan_labels_file(root, Path(labels), files, label_kind, fields or {})
 
 
 class _FileCheck:
@@ -215,63 +227,45 @@ def _walk(
     return sorted(found)
 
 
-def scan_csv(root: Path, csv_path: Path, files: _FileCheck | None = None, label_kind: str = "auto") -> Plan:
-    """Rows of ``path,label`` naming files under ``root``; see the module docstring for the labels.
+def scan_labels_file(
+    root: Path, labels_path: Path, files: _FileCheck | None = None, label_kind: str = "auto",
+    declared: Mapping[str, FieldSpec] | None = None,
+) -> Plan:
+    """Rows of a labels file naming files under ``root``; see the module docstring for the labels.
 
-    Classes come from every row, so a skipped file never shifts the other labels.
+    Classes and field types come from every row, so a skipped file never shifts the other labels.
     """
     files = files or _FileCheck(root, "fail", DEFAULT_MAX_FILE_BYTES)
-    rows = _read_rows(csv_path)
-    classes, all_ids = _label_ids(rows, csv_path, label_kind)
+    rows, names = read_label_rows(labels_path)
+    specs = field_specs(rows, names, declared or {}, labels_path)
+    parse_values(rows, specs, labels_path)
+    labelled = not rows or rows[0].label is not None
+    if labelled:
+        classes, all_ids = _label_ids([(r.line, r.path, r.label) for r in rows], labels_path, label_kind)
+    else:
+        classes, all_ids = [], np.full(len(rows), -1, dtype=np.int64)
     paths: list[str] = []
     kept: list[int] = []
     first_line: dict[str, int] = {}
-    for row_index, (line, path, _) in enumerate(rows):
-        context = f"{csv_path}, line {line}: "
-        key = os.path.normpath(path)
+    for row_index, row in enumerate(rows):
+        context = f"{labels_path}, line {row.line}: "
+        key = os.path.normpath(row.path)
         if key in first_line:
-            files.report(path, f"{path!r} is listed again (first on line {first_line[key]})", context)
+            files.report(row.path, f"{row.path!r} is listed again (first on line {first_line[key]})", context)
             continue
-        first_line[key] = line
-        reason = files.problem(path)
+        first_line[key] = row.line
+        reason = files.problem(row.path)
         if reason == "no such file":
-            reason = f"no such file {path!r} under {root}"
+            reason = f"no such file {row.path!r} under {root}"
         if reason is not None:
-            files.report(path, reason if reason.startswith("no such") else f"{path!r}: {reason}", context)
+            files.report(row.path, reason if reason.startswith("no such") else f"{row.path!r}: {reason}", context)
             continue
-        paths.append(path)
+        paths.append(row.path)
         kept.append(row_index)
-    return Plan("csv", root, classes, paths, all_ids[kept], files=len(rows), skipped=files.skipped)
-
-
-def _read_rows(csv_path: Path) -> list[tuple[int, str, str]]:
-    """``(line number, path, label)`` for each data row; malformed rows are errors naming the line."""
-    try:
-        if not stat.S_ISREG(os.stat(csv_path).st_mode):
-            raise PackError(f"{csv_path}: the labels CSV is not a regular file")
-        with open(csv_path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.reader(f)
-            records = [(reader.line_num, row) for row in reader]
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise PackError(f"{csv_path}: cannot read the labels CSV ({e})") from None
-    records = [(line, [cell.strip() for cell in row]) for line, row in records if any(c.strip() for c in row)]
-    if records and [cell.lower() for cell in records[0][1]] == _HEADER:
-        records = records[1:]
-    rows = []
-    for line, row in records:
-        if len(row) != 2:
-            raise PackError(f"{csv_path}, line {line}: expected 2 columns (path,label), found {len(row)}")
-        path, label = row
-        if not path:
-            raise PackError(f"{csv_path}, line {line}: empty path")
-        if Path(path).is_absolute():
-            raise PackError(f"{csv_path}, line {line}: path {path!r} is absolute; paths are relative to SRC")
-        if os.path.normpath(path).split(os.sep)[0] == "..":
-            raise PackError(f"{csv_path}, line {line}: path {path!r} leaves SRC; paths stay inside it")
-        if not label:
-            raise PackError(f"{csv_path}, line {line}: empty label for {path!r}")
-        rows.append((line, path, label))
-    return rows
+    values = {spec.name: [rows[k].values[spec.name] for k in kept] for spec in specs}
+    kind = "jsonl" if labels_path.suffix.lower() == ".jsonl" else "csv"
+    return Plan(kind, root, classes, paths, all_ids[kept], files=len(rows), skipped=files.skipped,
+                fields=specs, values=values, labelled=labelled)
 
 
 def _label_ids(rows: list[tuple[int, str, str]], csv_path: Path, label_kind: str) -> tuple[list[str], np.ndarray]:

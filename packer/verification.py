@@ -29,8 +29,10 @@ from reader.format import (
     load_manifest,
     table_problems,
 )
+from reader.format.fields import SOURCE, Column
 from reader.format.records import OUTSIDE_THE_FILE
 from reader.format.shard_files import checked_shard, describe_file_type, fd_path, open_checked
+from reader.format.shard_tables import load_shard_columns
 
 MAX_PROBLEMS_PER_CHECK = 5
 
@@ -69,14 +71,14 @@ def verify(path: str | os.PathLike, deep: bool = False, progress: bool = True) -
 
 def _check_files(
     root: Path, manifest: Manifest, report: VerifyReport, progress: bool
-) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+) -> dict[int, tuple[np.ndarray, np.ndarray, Column | None]]:
     """Checksums, sizes and record tables of every shard; returns the tables that could be read, each
-    with the mask of its rows inside the file.
+    with the mask of its rows inside the file and its source column (None: version 1, or unreadable).
 
     A shard that is missing, not a regular file (a symlink, FIFO or device is never opened) or not of
     the manifest's size (LMDB would map missing pages) is reported and read no further.
     """
-    tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    tables: dict[int, tuple[np.ndarray, np.ndarray, Column | None]] = {}
     present = {number: st for number, shard in enumerate(manifest.shards)
                if (st := _shard_stat(root, shard, report)) is not None}
     total = sum(st.st_size for st in present.values())
@@ -99,7 +101,8 @@ def _check_files(
                 continue
             finally:
                 os.close(fd)
-            tables[number] = (table, _check_table(shard.file, table, st.st_size, manifest, report))
+            sources = _record_sources(root, manifest, shard, report)
+            tables[number] = (table, _check_table(shard.file, table, st.st_size, manifest, report, sources), sources)
             report.records += len(table)
     return tables
 
@@ -125,29 +128,41 @@ def _shard_stat(root: Path, shard: ShardInfo, report: VerifyReport) -> os.stat_r
     return st
 
 
+def _record_sources(root: Path, manifest: Manifest, shard: ShardInfo, report: VerifyReport) -> Column | None:
+    """The shard's source column, after reading and checking all its record columns (source paths and
+    fields: format version 2); None for version 1, or reported when they are damaged."""
+    if not manifest.has_sources:
+        return None
+    try:
+        return load_shard_columns(root, manifest.storage, shard, manifest.fields)[SOURCE]
+    except FormatError as e:
+        report.problems.append(f"{shard.file}: record columns unreadable ({e})")
+        return None
+
+
 def _check_table(
-    name: str, table: np.ndarray, size: int, manifest: Manifest, report: VerifyReport
+    name: str, table: np.ndarray, size: int, manifest: Manifest, report: VerifyReport, sources: Column | None
 ) -> np.ndarray:
     """Row-level sanity of one record table (labels, payload bounds, raw sizes, fixed shape); returns
     which rows are worth reading back (those inside the file)."""
-    problems = table_problems(table, len(manifest.classes), encoding(manifest.encoding), manifest.shape, size)
+    problems = table_problems(table, manifest.label_range, encoding(manifest.encoding), manifest.shape, size)
     readable = np.ones(len(table), dtype=bool)
     for what, indices in problems:
-        _report_records(name, indices, what, report)
+        _report_records(name, indices, what, report, sources)
         if what == OUTSIDE_THE_FILE:
             readable[indices] = False
     return readable
 
 
 def _read_back(
-    root: Path, manifest: Manifest, tables: dict[int, tuple[np.ndarray, np.ndarray]], report: VerifyReport,
-    progress: bool,
+    root: Path, manifest: Manifest, tables: dict[int, tuple[np.ndarray, np.ndarray, Column | None]],
+    report: VerifyReport, progress: bool,
 ) -> None:
     """Every record through the container API, compared with the bytes at its offset, then decoded."""
-    total = sum(len(table) for table, _ in tables.values())
+    total = sum(len(table) for table, _, _ in tables.values())
     shard_container, payload_encoding = container(manifest.storage), encoding(manifest.encoding)
     with tqdm(total=total, unit="rec", disable=not progress, desc="records") as bar:
-        for number, (table, readable) in tables.items():
+        for number, (table, readable, sources) in tables.items():
             shard = manifest.shards[number]
             path = root / shard.file
             bad: dict[str, list[int]] = {}
@@ -167,7 +182,7 @@ def _read_back(
                 report.problems.append(f"{shard.file}: the {manifest.storage} container cannot be read back ({e})")
                 continue
             for problem, indices in bad.items():
-                _report_records(shard.file, np.array(indices), problem, report)
+                _report_records(shard.file, np.array(indices), problem, report, sources)
 
 
 def _record_problem(payload: bytes | None, at_offset: bytes, row: np.void, encoding: Encoding) -> str | None:
@@ -179,10 +194,14 @@ def _record_problem(payload: bytes | None, at_offset: bytes, row: np.void, encod
     return encoding.payload_problem(payload, int(row["height"]), int(row["width"]))
 
 
-def _report_records(name: str, indices: np.ndarray, what: str, report: VerifyReport) -> None:
-    """One problem line per bad record (the first few), then a count of the rest."""
+def _report_records(
+    name: str, indices: np.ndarray, what: str, report: VerifyReport, sources: Column | None
+) -> None:
+    """One problem line per bad record (the first few, with its source path where the shard stores
+    it), then a count of the rest."""
     for index in indices[:MAX_PROBLEMS_PER_CHECK].tolist():
-        report.problems.append(f"{name}: record {index}: {what}")
+        source = f" ({sources.value(index)})" if sources is not None else ""
+        report.problems.append(f"{name}: record {index}{source}: {what}")
     if len(indices) > MAX_PROBLEMS_PER_CHECK:
         report.problems.append(f"{name}: ... and {len(indices) - MAX_PROBLEMS_PER_CHECK} more records: {what}")
 

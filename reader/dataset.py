@@ -21,7 +21,7 @@ from __future__ import annotations
 import operator
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,8 @@ from reader.batch_memory import new_batch
 from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode_threads import DecodeThreads
 from reader.format import FormatError, Manifest, encoding, load_manifest, load_shard_table
+from reader.format.fields import SOURCE
+from reader.record_fields import RecordFields
 from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
 
 Images = torch.Tensor | list[torch.Tensor]
@@ -88,10 +90,11 @@ class PackedDataset(Dataset):
         self.manifest: Manifest = load_manifest(self.path)
         self.fast_decode = fast_decode
         self._encoding = encoding(self.manifest.encoding)
+        self.record_fields = RecordFields(self.path, self.manifest)
         self.decode_threads = DecodeThreads(decode_threads)
         counts, tables, identities = [], [], []
         for shard in self.manifest.shards:
-            identity, table = load_shard_table(self.path, self.manifest.storage, shard, len(self.classes),
+            identity, table = load_shard_table(self.path, self.manifest.storage, shard, self.manifest.label_range,
                                                self.manifest.encoding, self.manifest.shape,
                                                checksum=verify == "full")
             counts.append(len(table))
@@ -119,6 +122,20 @@ class PackedDataset(Dataset):
         state = self.__dict__.copy()
         state["_scratch"] = bytearray(0)
         return state
+
+    def source(self, index: int) -> str | None:
+        """Where record ``index`` came from: its path relative to the packed source (or the name the
+        packing code gave it); None for a format-version-1 dataset, which does not store it."""
+        if not self.manifest.has_sources:
+            return None
+        return self.record_fields.value(int(self._checked_indices([index])[0]), SOURCE)
+
+    def fields(self, index: int) -> dict[str, Any]:
+        """Record ``index``'s extra fields as plain Python values (``reader.format.fields``)."""
+        if not self.manifest.fields:
+            return {}
+        record = int(self._checked_indices([index])[0])
+        return {field.name: self.record_fields.value(record, field.name) for field in self.manifest.fields}
 
     def block_starts(self) -> np.ndarray:
         """The index of every block's first record: the layout the sampler shuffles and read-ahead reads."""

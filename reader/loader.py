@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -70,9 +70,11 @@ class PackedLoader(DataLoader):
     False for the padding samples that make the ranks' shares equal (see ``make_loader``).
     """
 
-    def __init__(self, *args, pin_batches: bool = False, evaluation: bool = False, **kwargs) -> None:
+    def __init__(self, *args, pin_batches: bool = False, evaluation: bool = False,
+                 fields: Sequence[str] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.evaluation = evaluation
+        self.fields = list(fields) if fields is not None else None
         self._pin_batches = pin_batches
         self._releaser = SlotReleaser()
         self._yielded = 0
@@ -125,6 +127,7 @@ class PackedLoader(DataLoader):
         batches = self._stream_at(epoch, start)
         self._stream_next = None
         share = self.shard_sampler.rank_share(epoch) if self.evaluation else None
+        order = self.shard_sampler.rank_order(epoch) if self.fields is not None else None
         for _ in range(count):
             batch = next(batches)
             batch = (batch[0], received_labels(batch[1]), *batch[2:])
@@ -134,10 +137,21 @@ class PackedLoader(DataLoader):
             if self._pin_batches:
                 batch = (_pinned(batch[0]), *(tensor.pin_memory() for tensor in batch[1:]))
             self._releaser.release_unused()
-            self._yielded += len(batch[1])
+            if order is not None:
+                positions = order[start + self._yielded:start + self._yielded + len(batch[1])]
+                batch = self._as_mapping(batch, positions)
+            self._yielded += len(batch["label"] if order is not None else batch[1])
             yield batch
         self._stream_next = self.batch_sampler.following(epoch, start)
         self._last_complete_epoch = epoch
+
+    def _as_mapping(self, batch: Batch, positions: np.ndarray) -> dict[str, Any]:
+        """A batch as ``{"image", "label", ("index", "valid"), <fields>...}`` (``fields=`` asked for)."""
+        mapping = {"image": batch[0], "label": batch[1]}
+        if self.evaluation:
+            mapping.update(index=batch[2], valid=batch[3])
+        mapping.update(self.dataset.field_batch(positions, self.fields))
+        return mapping
 
     def _stream_at(self, epoch: int, start: int) -> Iterator[Batch]:
         """An iterator whose next batch is the first of the pass ``(epoch, start)``: the live worker
@@ -218,6 +232,7 @@ def make_loader(
     prefetch_factor: int | None = None,
     pin_memory: bool | None = None,
     multiprocessing_context: str | None = None,
+    fields: Sequence[str] | None = None,
 ) -> PackedLoader:
     """A loader yielding ``(uint8 [B, 3, H, W], int64 [B])`` batches of ``dataset``.
 
@@ -241,6 +256,11 @@ def make_loader(
     (bool) is False for the padding, so that sums of ``metric * valid`` over all ranks count every
     sample exactly once (README, "Evaluation with DDP").
 
+    ``fields`` (names of the dataset's extra fields, and ``"source"`` for the source paths): batches
+    become mappings ``{"image", "label", <each field>}`` (plus ``"index"``, ``"valid"`` with
+    ``evaluation``), the fields batched as ``reader.record_fields`` says. The main process gathers
+    them from columns it reads once; the default tuples are unchanged.
+
     With workers and a dataset that reads ahead (``readahead``), the main process advises
     each batch's blocks ``lookahead_samples(...)`` samples before the workers get it.
     """
@@ -248,6 +268,8 @@ def make_loader(
         raise ValueError("make_loader(evaluation=True) covers every sample exactly once: it needs "
                          "drop_last=False and pad=True")
     view = PackedView(dataset)
+    if fields is not None:
+        view.check_fields(fields)
     order = order or ("sequential" if evaluation else "quasi_random")
     sampler = ShardSampler(view, order=order, seed=seed, rank=rank, world_size=world_size,
                            pad=pad, buffer_blocks=buffer_blocks)
@@ -265,6 +287,7 @@ def make_loader(
         pin_batches=torch.cuda.is_available() if pin_memory is None else pin_memory,
         evaluation=evaluation,
         multiprocessing_context=multiprocessing_context,
+        fields=fields,
     )
 
 

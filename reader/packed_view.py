@@ -8,14 +8,15 @@ Each position of the view is a record of one part (a ``PackedDataset``). Knowing
 - tell which quasi-random block of the files each position lies in (``block_ids``), so that a subset or
   a concatenation keeps the slow-disk order: the sampler shuffles those blocks and mixes records within
   windows of them, exactly as it does for a whole dataset;
-- give the labels of its positions (``targets``), for a stratified split (``reader.splits``).
+- give the labels of its positions (``targets``), for a stratified split (``reader.splits``);
+- gather the source paths and extra fields of a batch of positions (``field_batch``).
 
 Anything else (a user's own wrapper ``Dataset``) is refused with one line that says what works: such a
 dataset goes through a plain ``DataLoader``, since ``PackedDataset`` follows torch's conventions.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -75,6 +76,30 @@ class PackedView(Dataset):
             ids[members] = first + np.searchsorted(starts, self._record_of[members], side="right") - 1
             first += len(starts)
         return ids
+
+    def check_fields(self, names: Sequence[str]) -> None:
+        """``KeyError`` naming a field some part does not have."""
+        for part in self.parts:
+            part.record_fields.check_names(names)
+
+    def field_batch(self, positions: Sequence[int], names: Sequence[str]) -> dict[str, Any]:
+        """The named fields (``reader.record_fields``) of the records at ``positions``, batched."""
+        if self._identity:
+            return self.parts[0].record_fields.batch(np.asarray(positions, dtype=np.int64), names)
+        part_of, records = self.locate(positions)
+        out: dict[str, Any] = {}
+        for k in np.unique(part_of).tolist():
+            members = np.flatnonzero(part_of == k)
+            for name, values in self.parts[k].record_fields.batch(records[members], names).items():
+                if isinstance(values, torch.Tensor):
+                    if name not in out:
+                        out[name] = values.new_empty((len(records), *values.shape[1:]))
+                    out[name][torch.from_numpy(members)] = values
+                else:
+                    slots = out.setdefault(name, [None] * len(records))
+                    for member, value in zip(members.tolist(), values):
+                        slots[member] = value
+        return out
 
     def locate(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``(part index, record)`` of each position."""

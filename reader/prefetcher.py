@@ -159,6 +159,10 @@ class CUDAPrefetcher:
         """Enqueue the copy and augmentation of ``batch`` on the side stream (CPU: compute it now)."""
         if batch is None:
             return None
+        if isinstance(batch, dict):
+            raise TypeError("CUDAPrefetcher takes (images, labels, ...) batches, and this loader yields mappings "
+                            "(make_loader(fields=...)): prefetch a loader without fields, or move the fields to "
+                            "the device in the loop")
         images, labels, *extras = batch
         context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with context:

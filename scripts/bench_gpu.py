@@ -47,7 +47,8 @@ def make_tiny_dataset(dst: Path, count: int, size: int, classes: int = 10) -> Pa
     rng = np.random.default_rng(0)
     writer = DatasetWriter(dst, "lmdb", shard_size=1 << 40)  # one shard
     for i in range(count):
-        writer.add(rng.integers(0, 256, (3, size, size), dtype=np.uint8).tobytes(), i % classes, size, size)
+        writer.add(rng.integers(0, 256, (3, size, size), dtype=np.uint8).tobytes(), i % classes, size, size,
+                   source=f"synthetic/{i}")
     writer.finish(encoding="raw", shape=[3, size, size], classes=[f"class{c}" for c in range(classes)],
                   transform={}, source={"kind": "synthetic"}, tool_version="bench_gpu")
     return dst

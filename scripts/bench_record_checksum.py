@@ -34,8 +34,9 @@ def make_dataset(dst: Path, records: int) -> Path:
     rng = np.random.default_rng(0)
     dst.mkdir(parents=True)
     writer = DatasetWriter(dst, "lmdb", shard_size=500 * 3 * SIDE * SIDE)
-    for _ in range(records):
-        writer.add(rng.integers(0, 256, 3 * SIDE * SIDE, dtype=np.uint8).tobytes(), 0, SIDE, SIDE)
+    for i in range(records):
+        writer.add(rng.integers(0, 256, 3 * SIDE * SIDE, dtype=np.uint8).tobytes(), 0, SIDE, SIDE,
+                   source=f"synthetic/{i}")
     writer.finish(encoding="raw", shape=[3, SIDE, SIDE], classes=["x"], transform={}, source={},
                   tool_version="bench")
     return dst

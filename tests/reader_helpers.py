@@ -90,8 +90,8 @@ def write_dataset(
     ``DatasetWriter`` rather than the packer (for tests that need that order); return ``dst``."""
     payloads = [_jpeg_bytes(image) if encoding == "jpeg" else image.transpose(2, 0, 1).tobytes() for image in images]
     writer = DatasetWriter(dst, storage, shard_size=records_per_shard * max(map(len, payloads)))
-    for image, payload, label in zip(images, payloads, labels):
-        writer.add(payload, label, image.shape[0], image.shape[1])
+    for k, (image, payload, label) in enumerate(zip(images, payloads, labels)):
+        writer.add(payload, label, image.shape[0], image.shape[1], source=f"written/{k:04d}.png")
     sizes = {image.shape for image in images}
     writer.finish(encoding=encoding, classes=CLASSES, shape=[3, *images[0].shape[:2]] if len(sizes) == 1 else None,
                   transform={}, source={"kind": "test"}, tool_version="test",

@@ -41,7 +41,7 @@ def test_dataset_writer_rolls_over_by_payload_bytes_and_writes_the_manifest_last
     images = [rng.integers(0, 256, (3, 4, 5), dtype=np.uint8) for _ in range(7)]
     writer = DatasetWriter(tmp_path / "ds", storage, shard_size=3 * images[0].nbytes)
     for k, image in enumerate(images):
-        writer.add(image.tobytes(), k % 2, 4, 5)
+        writer.add(image.tobytes(), k % 2, 4, 5, source=f"img/{k}.png")
     assert not (tmp_path / "ds" / "manifest.json").exists()
     manifest = writer.finish(encoding="raw", classes=["a", "b"], shape=[3, 4, 5], transform={},
                              source={"kind": "test"}, tool_version="test")

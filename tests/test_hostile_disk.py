@@ -128,7 +128,7 @@ def test_failed_background_publish_leaves_no_temporary(tmp_path: Path, storage: 
     (and HDF5 spool) are removed and the error reaches the caller."""
     from reader.format import DatasetWriter, container
 
-    def fail(self, table):
+    def fail(self, table, arrays):
         raise OSError(28, "No space left on device")
 
     writer_class = type(container(storage).writer(tmp_path / "probe"))
@@ -136,8 +136,8 @@ def test_failed_background_publish_leaves_no_temporary(tmp_path: Path, storage: 
     (tmp_path / "probe.spool").unlink(missing_ok=True)
     monkeypatch.setattr(writer_class, "_write_table", fail)
     shards = DatasetWriter(tmp_path, storage, 10)
-    shards.add(b"x" * 8, 0, 1, 1)
-    shards.add(b"y" * 8, 0, 1, 1)  # closes shard 0: published in the background
+    shards.add(b"x" * 8, 0, 1, 1, source="x")
+    shards.add(b"y" * 8, 0, 1, 1, source="y")  # closes shard 0: published in the background
     with pytest.raises(OSError, match="No space left on device") as error:
         try:
             shards.finish_shards()

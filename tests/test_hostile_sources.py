@@ -166,4 +166,4 @@ def test_label_kind_is_explicit(src: Path) -> None:
 def test_labels_csv_that_is_a_fifo_is_refused(src: Path, tmp_path: Path) -> None:
     os.mkfifo(src / "labels.csv")
     assert_one_line_error(pack_cli(src, tmp_path / "out", "--labels", src / "labels.csv"),
-                          "labels.csv: the labels CSV is not a regular file")
+                          "labels.csv: the labels file is not a regular file")

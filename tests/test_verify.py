@@ -52,7 +52,8 @@ def test_deep_names_the_record_that_does_not_decode(
     assert not packer.verify(dst, progress=False).ok
     problems = packer.verify(dst, deep=True, progress=False).problems
     assert problems[0] == f"{name}: checksum mismatch (the file is corrupt or changed)"
-    assert len(problems) == 2 and problems[1].startswith(f"{name}: record 4: JPEG does not decode")
+    assert len(problems) == 2  # the bad record is named with its source path
+    assert problems[1].startswith(f"{name}: record 4 (dog/001.png): JPEG does not decode")
 
 
 def test_missing_shard_and_wrong_size_are_reported(tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> None:

@@ -42,14 +42,15 @@ class ShardWriter(abc.ABC):
         self._rows.append((len(payload), label, height, width))
         self.payload_bytes += len(payload)
 
-    def finish(self) -> np.ndarray:
-        """Write the record table, fsync, and rename the shard to its final name. Returns the table."""
+    def finish(self, arrays: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Write the record table (and the named ``arrays``: per-record columns, see
+        ``reader.format.fields``), fsync, and rename the shard to its final name. Returns the table."""
         table = np.zeros(len(self._rows), dtype=RECORD_TABLE_DTYPE)
         rows = np.array(self._rows, dtype=np.int64).reshape(-1, 4)
         table["nbytes"], table["label"], table["height"], table["width"] = rows.T
         with self._errors_name_the_file():
             table["offset"] = self._finish_payloads(table)
-            self._write_table(table)
+            self._write_table(table, arrays or {})
             with open(self.tmp_path, "rb+") as f:
                 os.fsync(f.fileno())
         os.replace(self.tmp_path, self.path)
@@ -89,8 +90,8 @@ class ShardWriter(abc.ABC):
         """Flush all payloads; return each record's byte offset in the shard file."""
 
     @abc.abstractmethod
-    def _write_table(self, table: np.ndarray) -> None:
-        """Store the table inside the shard and close the container."""
+    def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        """Store the table and the named arrays inside the shard and close the container."""
 
     @abc.abstractmethod
     def _close(self) -> None: ...
@@ -112,6 +113,13 @@ class Container(abc.ABC):
     def read_table(self, path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
         """The record table inside the shard at ``path`` (opened read-only, no lock files), checked for
         the record-table dtype and ``records`` rows; errors are ``FormatError`` naming ``shown``."""
+
+    @abc.abstractmethod
+    def read_arrays(
+        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str]
+    ) -> dict[str, np.ndarray]:
+        """The named arrays stored beside the record table, each checked (a plain dtype from
+        ``records.ARRAY_DTYPES``, inside the file) before it is read; a missing one is a ``FormatError``."""
 
     @abc.abstractmethod
     def read_records(

@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 from reader.format.container import Container, ShardWriter
+from reader.format.fields import FieldSpec, record_columns
 from reader.format.manifest import Manifest, ShardInfo, file_checksum
 from reader.format.registry import container, shard_file_name
 
@@ -33,7 +36,8 @@ class DatasetWriter:
     """
 
     def __init__(
-        self, root: str | os.PathLike, storage: str, shard_size: int, shard_name: ShardName | None = None
+        self, root: str | os.PathLike, storage: str, shard_size: int, shard_name: ShardName | None = None,
+        fields: Sequence[FieldSpec] = (),
     ) -> None:
         if shard_size < 1:
             raise ValueError(f"shard_size must be positive, got {shard_size}")
@@ -43,14 +47,27 @@ class DatasetWriter:
         self._container: Container = container(storage)
         self._shard_size = shard_size
         self._shard_name = shard_name or (lambda number: shard_file_name(number, storage))
+        self.fields = list(fields)
+        self._sources: list[str] = []
+        self._values: dict[str, list[Any]] = {field.name: [] for field in self.fields}
         self.shards: list[ShardInfo] = []
         self._writer: ShardWriter | None = None
         self._name = ""
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="shard-publisher")
         self._publishing: Future[ShardInfo] | None = None
 
-    def add(self, payload: bytes | memoryview, label: int, height: int, width: int) -> None:
-        """Append one record, first closing the shard if the record would overflow it."""
+    def add(
+        self, payload: bytes | memoryview, label: int, height: int, width: int, *, source: str,
+        fields: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Append one record, first closing the shard if the record would overflow it. ``source`` is
+        where the record came from (a path relative to the source root, or a name the caller gives);
+        ``fields`` holds a value for every field of the schema, already ``FieldSpec.parse``d."""
+        values = fields or {}
+        if set(values) != set(self._values):
+            missing = sorted(set(self._values) - set(values)) or sorted(set(values) - set(self._values))
+            raise ValueError(f"record {source!r}: fields {', '.join(missing)} do not match the schema "
+                             f"({', '.join(self._values) or 'no fields'})")
         writer = self._writer
         if writer is not None and writer.payload_bytes + len(payload) > self._shard_size:
             self._close_shard()
@@ -59,6 +76,9 @@ class DatasetWriter:
             self._name = self._shard_name(len(self.shards) + (self._publishing is not None))
             writer = self._writer = self._container.writer(self._dst / self._name)
         writer.append(payload, label, height, width)
+        self._sources.append(source)
+        for name, value in values.items():
+            self._values[name].append(value)
 
     def finish_shards(self) -> list[ShardInfo]:
         """Publish the last shard (if any), wait until every shard is published, and list them."""
@@ -69,12 +89,13 @@ class DatasetWriter:
 
     def finish(
         self, *, encoding: str, classes: list[str], shape: list[int] | None, transform: dict[str, Any],
-        source: dict[str, Any], tool_version: str, jpeg_quality: int | None = None,
+        source: dict[str, Any], tool_version: str, jpeg_quality: int | None = None, labelled: bool = True,
     ) -> Manifest:
         """Publish every shard, then write the manifest that makes the directory a finished dataset."""
         manifest = Manifest(storage=self._storage, encoding=encoding, shape=shape, classes=classes,
                             shards=self.finish_shards(), transform=transform, source=source,
-                            tool_version=tool_version, jpeg_quality=jpeg_quality)
+                            tool_version=tool_version, jpeg_quality=jpeg_quality, fields=self.fields,
+                            labelled=labelled)
         manifest.write(self._dst)
         return manifest
 
@@ -93,7 +114,10 @@ class DatasetWriter:
             return
         self._collect_published()  # may raise: the writer stays ours, for abort() to drop
         writer, self._writer = self._writer, None
-        self._publishing = self._publisher.submit(_publish, writer, self._dst / self._name)
+        arrays = record_columns(self.fields, self._sources, self._values)
+        self._sources = []
+        self._values = {name: [] for name in self._values}
+        self._publishing = self._publisher.submit(_publish, writer, self._dst / self._name, arrays)
 
     def _collect_published(self) -> None:
         """Wait for the shard being published (re-raising its error) and add it to ``shards``."""
@@ -103,11 +127,11 @@ class DatasetWriter:
         self.shards.append(future.result())
 
 
-def _publish(writer: ShardWriter, path: Path) -> ShardInfo:
+def _publish(writer: ShardWriter, path: Path, arrays: dict[str, np.ndarray]) -> ShardInfo:
     """Finish a shard (table, fsync, rename) and describe it for the manifest; a shard that cannot be
     finished (a full disk) is dropped, leaving no temporary file behind."""
     try:
-        writer.finish()
+        writer.finish(arrays)
     except BaseException:
         writer.abort()
         raise

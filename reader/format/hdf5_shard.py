@@ -15,10 +15,11 @@ import numpy as np
 
 from reader.format.container import Container, ShardWriter
 from reader.format.errors import FormatError
-from reader.format.records import RECORD_TABLE_DTYPE, check_table_layout
+from reader.format.records import RECORD_TABLE_DTYPE, check_array_layout, check_table_layout
 
 RECORDS_DATASET = "records"
 TABLE_DATASET = "table"
+ARRAYS_GROUP = "arrays"
 _COPY_CHUNK = 64 << 20
 # What h5py raises for a damaged file, depending on where HDF5 notices (an object header, a dataspace,
 # a B-tree...): each becomes one FormatError naming the shard.
@@ -58,7 +59,9 @@ class Hdf5ShardWriter(ShardWriter):
         within = np.concatenate([[0], np.cumsum(table["nbytes"][:-1], dtype=np.uint64)])
         return records.id.get_offset() + within.astype(np.uint64)
 
-    def _write_table(self, table: np.ndarray) -> None:
+    def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        for name, array in sorted(arrays.items()):
+            self._file.create_dataset(f"{ARRAYS_GROUP}/{name}", data=np.ascontiguousarray(array), track_times=False)
         self._file.create_dataset(TABLE_DATASET, data=table, track_times=False)
         self._close()
 
@@ -123,6 +126,26 @@ class Hdf5Container(Container):
 
     def read_table(self, path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
         return read_hdf5_table(path, shown, records)
+
+    def read_arrays(
+        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str]
+    ) -> dict[str, np.ndarray]:
+        arrays = {}
+        try:
+            with open_readonly(Path(path)) as f:
+                if names and not isinstance(f.get(ARRAYS_GROUP, getlink=True), h5py.HardLink):
+                    raise FormatError(f"{shown}: HDF5 shard has no /{ARRAYS_GROUP} group stored in this file")
+                for name in names:
+                    dataset = internal_dataset(f, f"{ARRAYS_GROUP}/{name}", shown)
+                    check_array_layout(dataset.dtype, dataset.shape, shown, f"array {name}")
+                    if dataset.size * dataset.dtype.itemsize > file_size:
+                        raise FormatError(f"{shown}: array {name} claims more bytes than the file holds; refused")
+                    arrays[name] = dataset[()]
+        except HDF5_ERRORS as e:
+            if isinstance(e, FormatError):
+                raise
+            raise FormatError(f"{shown}: cannot be read as an HDF5 shard ({e})") from None
+        return arrays
 
     def read_records(
         self, path: str | os.PathLike, file_size: int, shown: Path, table: np.ndarray

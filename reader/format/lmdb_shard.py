@@ -21,9 +21,10 @@ import numpy as np
 
 from reader.format.container import Container, ShardWriter
 from reader.format.errors import FormatError
-from reader.format.records import parse_npy_table
+from reader.format.records import parse_npy_array, parse_npy_table
 
 TABLE_KEY = b"~table"
+ARRAY_KEY_PREFIX = b"~array/"
 _COMMIT_BYTES = 64 << 20
 _INITIAL_MAP_SIZE = 1 << 30
 # Where LMDB's two meta pages keep what ``check_lmdb_meta`` reads (liblmdb 0.9, 64-bit): each page is a
@@ -39,6 +40,17 @@ _META_END = 152
 
 def record_key(index: int) -> bytes:
     return index.to_bytes(8, "big")
+
+
+def array_key(name: str) -> bytes:
+    """The key of a named array: after every record key, before ``TABLE_KEY``."""
+    return ARRAY_KEY_PREFIX + name.encode()
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
 
 
 def open_readonly(path: Path) -> lmdb.Environment:
@@ -97,10 +109,10 @@ class LmdbShardWriter(ShardWriter):
                 raise RuntimeError(f"{self.tmp_path}: could not locate LMDB payloads in the file")
         return offsets
 
-    def _write_table(self, table: np.ndarray) -> None:
-        buf = io.BytesIO()
-        np.save(buf, table, allow_pickle=False)
-        self._pending.append((TABLE_KEY, buf.getvalue()))
+    def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        for name, array in sorted(arrays.items()):
+            self._pending.append((array_key(name), _npy_bytes(array)))
+        self._pending.append((TABLE_KEY, _npy_bytes(table)))
         self._commit()
         self._env.sync(True)
         self._close()
@@ -217,6 +229,18 @@ class LmdbContainer(Container):
 
     def read_table(self, path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
         return read_lmdb_table(path, shown, records)
+
+    def read_arrays(
+        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str]
+    ) -> dict[str, np.ndarray]:
+        arrays = {}
+        with _checked_values(path, file_size, shown) as value:
+            for name in names:
+                blob = value(array_key(name), f"array {name}")
+                if blob is None:
+                    raise FormatError(f"{shown}: LMDB shard has no array {name!r}")
+                arrays[name] = parse_npy_array(blob, shown, f"array {name}")
+        return arrays
 
     def read_records(
         self, path: str | os.PathLike, file_size: int, shown: Path, table: np.ndarray

@@ -13,10 +13,12 @@ import xxhash
 
 from reader.format.durable import write_file_atomically
 from reader.format.errors import FormatError
+from reader.format.fields import FieldSpec
 from reader.format.manifest_schema import check_manifest_data
 
 FORMAT_NAME = "packed-images"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no source paths, no fields, every record labelled
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
@@ -39,6 +41,10 @@ class ShardInfo:
 class Manifest:
     """The dataset's description. ``shape`` is ``[C, H, W]`` when every record shares it, else None.
 
+    ``fields`` is the schema of the records' extra fields (``reader.format.fields``); ``labelled`` is
+    False for a dataset of images (and fields) without classes, whose records all have label -1.
+    Version-2 datasets store every record's source path; version-1 datasets (read as they are) do not.
+
     ``transform`` is the pre-transform spec the packer applied, ``source`` what it read (kind, root,
     file counts and every skipped file with its reason). Both are plain JSON, recorded as written.
     """
@@ -52,8 +58,20 @@ class Manifest:
     source: dict[str, Any]
     tool_version: str
     jpeg_quality: int | None = None
+    fields: list[FieldSpec] = dataclasses.field(default_factory=list)
+    labelled: bool = True
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+
+    @property
+    def label_range(self) -> int | None:
+        """How many classes the labels index, or None for an unlabelled dataset (labels all -1)."""
+        return len(self.classes) if self.labelled else None
+
+    @property
+    def has_sources(self) -> bool:
+        """Whether the shards store each record's source path (format version 2 on)."""
+        return self.format_version >= 2
 
     @property
     def num_records(self) -> int:
@@ -69,6 +87,9 @@ class Manifest:
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
+        data["fields"] = [field.to_json() for field in self.fields]
+        if self.format_version == 1:  # a version-1 manifest read back is written as it was
+            del data["fields"], data["labelled"]
         data["class_to_idx"] = self.class_to_idx
         data["num_records"] = self.num_records
         return json.dumps(data, indent=2) + "\n"
@@ -84,15 +105,19 @@ class Manifest:
             raise FormatError(f"{origin}: not valid JSON ({e})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise FormatError(f"{origin}: not a {FORMAT_NAME} manifest")
-        if data.get("format_version") != FORMAT_VERSION or isinstance(data.get("format_version"), bool):
+        if data.get("format_version") not in READABLE_VERSIONS or isinstance(data.get("format_version"), bool):
             raise FormatError(
                 f"{origin}: format version {str(data.get('format_version'))[:20]} is not supported "
-                f"(this reader reads version {FORMAT_VERSION})"
+                f"(this reader reads versions {' and '.join(map(str, READABLE_VERSIONS))}; a newer packer wrote it)"
             )
         data.pop("class_to_idx", None)
         data.pop("num_records", None)
         check_manifest_data(data, origin)
         data["shards"] = [ShardInfo(**s) for s in data["shards"]]
+        fields = data.get("fields", [])
+        data["fields"] = [FieldSpec.from_json(f, f"{origin}: fields[{i}]") for i, f in enumerate(fields)]
+        if len({f.name for f in data["fields"]}) != len(data["fields"]):
+            raise FormatError(f"{origin}: two fields have the same name")
         return cls(**data)
 
     def write(self, directory: Path) -> Path:

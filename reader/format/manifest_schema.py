@@ -16,9 +16,9 @@ SHARD_KEYS = {"file": str, "records": int, "bytes": int, "checksum": str}
 _FIELDS = {
     "format": str, "format_version": int, "tool_version": str, "storage": str, "encoding": str,
     "jpeg_quality": (int, type(None)), "shape": (list, type(None)), "classes": list, "shards": list,
-    "transform": dict, "source": dict,
+    "transform": dict, "source": dict, "fields": list, "labelled": bool,
 }
-_OPTIONAL = {"jpeg_quality"}
+_OPTIONAL = {"jpeg_quality", "fields", "labelled"}  # fields and labelled: version 2 (default [] and true)
 
 
 def check_manifest_data(data: dict[str, Any], origin: str) -> None:
@@ -32,7 +32,11 @@ def check_manifest_data(data: dict[str, Any], origin: str) -> None:
             if key in _OPTIONAL:
                 continue
             raise FormatError(f"{origin}: the manifest has no {key!r} field")
-        _check_type(data[key], kind, origin, key)
+        if kind is bool:
+            if not isinstance(data[key], bool):
+                raise FormatError(f"{origin}: {key} is {_describe(data[key])}, expected true or false")
+        else:
+            _check_type(data[key], kind, origin, key)
     if data["storage"] not in STORAGES:
         raise FormatError(f"{origin}: unknown storage {data['storage']!r} (expected one of {', '.join(STORAGES)})")
     if data["encoding"] not in ENCODINGS:
@@ -41,6 +45,10 @@ def check_manifest_data(data: dict[str, Any], origin: str) -> None:
     _check_classes(data["classes"], origin)
     _check_shards(data["shards"], origin)
     _check_source(data["source"], origin)
+    if data.get("format_version") == 1 and ("fields" in data or "labelled" in data):
+        raise FormatError(f"{origin}: fields and labelled are version-2 keys, in a version-1 manifest")
+    if data.get("labelled", True) is False and data["classes"]:
+        raise FormatError(f"{origin}: an unlabelled dataset (labelled: false) lists classes")
 
 
 def check_plain_name(name: str, origin: str) -> None:

@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from reader.format import registry
 from reader.format.errors import FormatError
+from reader.format.fields import Column, FieldSpec, column_names, read_record_columns
 from reader.format.manifest import ShardInfo, file_checksum
 from reader.format.records import table_problems
 from reader.format.shard_files import FileIdentity, checked_shard, fd_path
 
 
 def load_shard_table(
-    root: Path, storage: str, shard: ShardInfo, num_classes: int, encoding: str, shape: list[int] | None,
+    root: Path, storage: str, shard: ShardInfo, num_classes: int | None, encoding: str, shape: list[int] | None,
     checksum: bool = False,
 ) -> tuple[FileIdentity, np.ndarray]:
     """A dataset shard's identity and record table, after every check that is cheap at open time.
@@ -35,3 +37,14 @@ def load_shard_table(
         what, rows = min(problems, key=lambda problem: problem[1][0])
         raise FormatError(f"{path}: record {rows[0]}: {what}")
     return identity, table
+
+
+def load_shard_columns(
+    root: Path, storage: str, shard: ShardInfo, fields: Sequence[FieldSpec]
+) -> dict[str, Column]:
+    """A version-2 shard's source column (``fields.SOURCE``) and field columns, read through the
+    checked file like its table, each checked against the shard's record count."""
+    path = root / shard.file
+    with checked_shard(root, shard) as (fd, identity):
+        arrays = registry.container(storage).read_arrays(fd_path(fd), identity.size, path, column_names(fields))
+    return read_record_columns(fields, arrays, shard.records, path)
