@@ -8,14 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from PIL import Image
 from reader_helpers import chw, make_images
 from torch.utils.data import ConcatDataset, Subset
 
 import packer
+from packer.cli import main
 from packer.errors import PackError
+from packer.labels_file import declare_field
 from reader import PackedDataset, make_loader
-from reader.format import DatasetWriter, FormatError
+from reader.format import DatasetWriter, FormatError, load_manifest
 from reader.format.fields import FieldSpec
 
 
@@ -137,3 +140,17 @@ def test_the_writer_refuses_a_record_whose_fields_do_not_match_the_schema(tmp_pa
     with pytest.raises(ValueError, match=r"record 'x.png': fields id do not match the schema \(id\)"):
         writer.add(np.zeros(3, np.uint8).tobytes(), 0, 1, 1, source="x.png", fields={})
     writer.abort()
+
+
+def test_info_shows_each_field_as_its_declaration(tmp_path: Path) -> None:
+    """``packer info`` lists the schema in ``--field`` syntax, which declares the same fields again.
+    A CSV column of JSON lists is inferred as a list type (here a vector: numbers, not all integers)."""
+    src = _csv_source(tmp_path, ["path,label,emb,tags,n"] + [f'{k}.png,a,"[{k}.5, 1]","[""x""]",{k}' for k in range(4)])
+    result = CliRunner().invoke(main, ["pack", str(src), str(tmp_path / "out"), "--labels", str(src / "labels.csv"),
+                                       "--workers", "0", "--field", "tags:labels:x,y"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["info", str(tmp_path / "out")])
+    line = next(line for line in result.output.splitlines() if line.startswith("fields"))
+    assert line.split(None, 1)[1] == "emb:vector:2; tags:labels:x,y; n:int"
+    declared = [declare_field(text) for text in line.split(None, 1)[1].split("; ")]
+    assert declared == load_manifest(tmp_path / "out").fields
