@@ -2,9 +2,11 @@
 named by line, a record named by its source in errors, fields through Subset / ConcatDataset loaders."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -154,3 +156,24 @@ def test_info_shows_each_field_as_its_declaration(tmp_path: Path) -> None:
     assert line.split(None, 1)[1] == "emb:vector:2; tags:labels:x,y; n:int"
     declared = [declare_field(text) for text in line.split(None, 1)[1].split("; ")]
     assert declared == load_manifest(tmp_path / "out").fields
+
+
+def test_a_source_path_is_read_without_the_fields_columns(tmp_path: Path) -> None:
+    """Columns load one by one on first use: a damaged field column fails only what reads that field,
+    with a ``FormatError`` naming the shard and the column."""
+    writer = DatasetWriter(tmp_path / "out", "hdf5", 1 << 20, fields=[FieldSpec("emb", "vector", length=2)])
+    for k, image in enumerate(make_images(2, [(3, 2)])):
+        writer.add(chw(image).tobytes(), 0, 3, 2, source=f"s/{k}.png", fields={"emb": [k, 0.5]})
+    writer.finish(encoding="raw", classes=["a"], shape=[3, 3, 2], transform={}, source={"kind": "test"},
+                  tool_version="test")
+    shard = tmp_path / "out" / "shard-00000.h5"
+    with h5py.File(shard, "r+") as f:
+        del f["arrays/field.emb"]
+        f["arrays/field.emb"] = np.zeros((2, 2), np.int64)
+    manifest = load_manifest(tmp_path / "out")  # the shard's new size, so that it opens
+    manifest.shards = [dataclasses.replace(manifest.shards[0], bytes=shard.stat().st_size)]
+    manifest.write(tmp_path / "out")
+    ds = PackedDataset(tmp_path / "out")
+    assert [ds.source(k) for k in range(2)] == ["s/0.png", "s/1.png"]
+    with pytest.raises(FormatError, match=rf"{shard}: column field.emb has dtype int64"):
+        ds.fields(0)
