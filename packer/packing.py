@@ -83,9 +83,9 @@ def pack(
     (``{"emb": "vector:128", "tags": "labels"}`` or ``FieldSpec``s), inferred otherwise. Every record
     also keeps its source path. Raises ``PackError`` on bad input and for a full disk.
     """
-    spec = _transform_spec(resize, crop, encoding, quality, max_pixels, max_file_bytes, resampler)
-    _check_options(storage, shard_size, on_error)
-    worker_count = _worker_count(workers)
+    spec = transform_spec(resize, crop, encoding, quality, max_pixels, max_file_bytes, resampler)
+    check_options(storage, shard_size, on_error)
+    processes = worker_count(workers)
     task_part = parse_part(part) if isinstance(part, str) else part
     dst = Path(dst)
     check_destination(dst, force)
@@ -118,7 +118,7 @@ def pack(
         total = sum(len(p) for p in mine)
         with tqdm(total=total, initial=total - sum(len(t.partition) for t in tasks), unit="img",
                   disable=not progress, desc="pack" if task_part is None else f"pack part {task_part}") as bar:
-            run = runner or (lambda todo, on_records: pack_partitions(todo, worker_count, on_records))
+            run = runner or (lambda todo, on_records: pack_partitions(todo, processes, on_records))
             new = run(tasks, bar.update)
         if task_part is not None:
             return None
@@ -179,7 +179,7 @@ def _task(settings: PackSettings, plan: Plan, partition: Partition) -> Partition
                          {name: values[taken] for name, values in plan.values.items()})
 
 
-def _transform_spec(
+def transform_spec(
     resize: int | tuple[int, int] | None,
     crop: int | tuple[int, int] | None,
     encoding: str,
@@ -195,7 +195,7 @@ def _transform_spec(
         raise PackError(str(e)) from None
 
 
-def _check_options(storage: str, shard_size: int, on_error: str) -> None:
+def check_options(storage: str, shard_size: int, on_error: str) -> None:
     if storage not in STORAGES:
         raise PackError(f"storage {storage!r} is not one of {', '.join(STORAGES)}")
     if shard_size < 1:
@@ -204,7 +204,7 @@ def _check_options(storage: str, shard_size: int, on_error: str) -> None:
         raise PackError(f"on_error {on_error!r} is not one of {', '.join(ON_ERROR)}")
 
 
-def _worker_count(workers: int | None) -> int:
+def worker_count(workers: int | None) -> int:
     if workers is None:
         return len(os.sched_getaffinity(0))
     if workers < 0:
