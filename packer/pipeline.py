@@ -54,13 +54,14 @@ class PackSettings:
 
 @dataclass(frozen=True)
 class PartitionTask:
-    """One partition to pack: its range, and its images' paths (relative to the root), labels and
-    field values (one list per field)."""
+    """One partition to pack: its range, and its images' paths (relative to the root), labels, source
+    names (what each record's source path is recorded as) and field values (one list per field)."""
 
     settings: PackSettings
     partition: Partition
     paths: list[str]
     labels: np.ndarray
+    sources: list[str]
     values: dict[str, list[Any]] = field(default_factory=dict)
 
 
@@ -125,9 +126,9 @@ def _encode_partition(
             if isinstance(result, Failure):
                 if settings.on_error == "fail":
                     raise PackError(f"{settings.root / display_name(path)}: {result.reason}")
-                skipped.append((position, Skipped(display_name(path), result.reason)))
+                skipped.append((position, Skipped(task.sources[k], result.reason)))
             else:
-                shards.add(result.payload, int(label), result.height, result.width, source=display_name(path),
+                shards.add(result.payload, int(label), result.height, result.width, source=task.sources[k],
                            fields={name: values[k] for name, values in task.values.items()})
             if on_record is not None:
                 on_record(1)
