@@ -132,8 +132,10 @@ class _Planner:
         start = self.count - len(chunk)
         values = {f.name: [record[3][f.name] for record in chunk] for f in self.fields or []}
         task_settings = PackSettings(**{**vars(settings), "fields": tuple(self.fields or ())})
-        return PartitionTask(task_settings, Partition(number, start, self.count), [r[2] for r in chunk],
-                             np.array([r[1] for r in chunk], dtype=np.int64), values, [r[0] for r in chunk])
+        names = [display_name(r[2]) for r in chunk]
+        return PartitionTask(task_settings, Partition(number, start, self.count), paths=names,
+                             labels=np.array([r[1] for r in chunk], dtype=np.int64), sources=names, values=values,
+                             images=[r[0] for r in chunk])
 
     def _record(self, item: Mapping[str, Any], index: int) -> tuple[Any, int, str, dict[str, Any]]:
         if not isinstance(item, Mapping) or "image" not in item:

@@ -128,12 +128,14 @@ def part_problem(dst: Path, record: PartRecord | None, expected: PlanRecord, ind
 
 
 def plan_fingerprint(plan: Plan, options: dict[str, Any]) -> str:
-    """A digest of everything that decides the output: the plan (paths, labels, classes) and options."""
+    """A digest of everything that decides the output: the plan (paths, labels, classes, source names,
+    fields) and options."""
     digest = xxhash.xxh3_128()
     header = {"kind": plan.kind, "root": str(plan.root), "classes": plan.classes, "options": options}
     digest.update(json.dumps(header, sort_keys=True).encode())
     digest.update("\0".join(plan.paths).encode("utf-8", "surrogateescape"))  # names need not be UTF-8
     digest.update(plan.labels.tobytes())
+    digest.update("\0".join(plan.sources).encode("utf-8", "surrogateescape"))
     fields = {f.name: {"spec": f.to_json(), "values": plan.values[f.name]} for f in plan.fields}
     digest.update(json.dumps({"labelled": plan.labelled, "fields": fields}, sort_keys=True).encode())
     return digest.hexdigest()

@@ -188,7 +188,7 @@ def _finished_parts(dst: Path, plan: PlanRecord, partitions: list[Partition]) ->
 
 def _task(settings: PackSettings, plan: Plan, partition: Partition) -> PartitionTask:
     taken = slice(partition.start, partition.end)
-    return PartitionTask(settings, partition, plan.paths[taken], plan.labels[taken],
+    return PartitionTask(settings, partition, plan.paths[taken], plan.labels[taken], plan.sources[taken],
                          {name: values[taken] for name, values in plan.values.items()})
 
 

@@ -54,14 +54,16 @@ class PackSettings:
 
 @dataclass(frozen=True)
 class PartitionTask:
-    """One partition to pack: its range, and its images' paths (relative to the root), labels and
-    field values (one list per field). ``images``: the images themselves (``packer.items``: bytes or
-    PIL images), the paths then being only their source names."""
+    """One partition to pack: its range, and its images' paths (relative to the root), labels, source
+    names (what each record's source path is recorded as) and field values (one list per field).
+    ``images``: the images themselves (``packer.items``: paths, bytes or PIL images) instead of files
+    under the root; ``paths`` then only repeat the source names."""
 
     settings: PackSettings
     partition: Partition
     paths: list[str]
     labels: np.ndarray
+    sources: list[str]
     values: dict[str, list[Any]] = field(default_factory=dict)
     images: list[Any] | None = None
 
@@ -73,7 +75,7 @@ class PartitionTask:
         """The ``k``-th image as an error names it."""
         if self.images is None:
             return str(self.settings.root / display_name(self.paths[k]))
-        return f"item {self.partition.start + k} ({display_name(self.paths[k])})"
+        return f"item {self.partition.start + k} ({self.sources[k]})"
 
 
 class Stopped(Exception):
@@ -129,17 +131,16 @@ def _encode_partition(
     )
     skipped: list[tuple[int, Skipped]] = []
     try:
-        for k, (position, path, label) in enumerate(zip(range(partition.start, partition.end), task.paths,
-                                                        task.labels)):
+        for k, (position, label) in enumerate(zip(range(partition.start, partition.end), task.labels)):
             if should_stop is not None and should_stop():
                 raise Stopped
             result = encode_image(task.image(k), settings.spec)
             if isinstance(result, Failure):
                 if settings.on_error == "fail":
                     raise PackError(f"{task.shown(k)}: {result.reason}")
-                skipped.append((position, Skipped(display_name(path), result.reason)))
+                skipped.append((position, Skipped(task.sources[k], result.reason)))
             else:
-                shards.add(result.payload, int(label), result.height, result.width, source=display_name(path),
+                shards.add(result.payload, int(label), result.height, result.width, source=task.sources[k],
                            fields={name: values[k] for name, values in task.values.items()})
             if on_record is not None:
                 on_record(1)

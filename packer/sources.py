@@ -59,6 +59,9 @@ class Plan:
     scanning (only with ``on_error="skip"``: CSV rows naming a file that does not exist). ``fields``
     is the schema of the extra fields and ``values`` their parsed values, one list per field aligned
     with ``paths``; ``labelled`` is False for a labels file without labels (then every label is -1).
+    ``sources`` is what each record's source path is recorded as (aligned with ``paths``): by default
+    the path relative to ``root`` as ``display_name`` shows it; a source that is not a folder of
+    files gives each record the name it chooses.
     """
 
     kind: str
@@ -71,6 +74,13 @@ class Plan:
     fields: list[FieldSpec] = field(default_factory=list)
     values: dict[str, list[Any]] = field(default_factory=dict)
     labelled: bool = True
+    sources: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            self.sources = [display_name(path) for path in self.paths]
+        if len(self.sources) != len(self.paths):
+            raise ValueError(f"a plan of {len(self.paths)} records has {len(self.sources)} source names")
 
     def __len__(self) -> int:
         return len(self.paths)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import numpy as np
 
@@ -114,8 +115,8 @@ def _npy_parts(blob: bytes, shown: object, what: str) -> tuple[tuple[int, ...], 
 
 
 def _npy_body(body: bytes, shape: tuple[int, ...], dtype: np.dtype, shown: object, what: str) -> np.ndarray:
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if len(body) != count * dtype.itemsize:
+    # math.prod: Python integers, so a huge shape cannot wrap around to the body's size
+    if min(shape, default=0) < 0 or len(body) != math.prod(shape) * dtype.itemsize:
         raise FormatError(f"{shown}: {what} holds {len(body)} bytes for shape {shape} (damaged)")
     return np.frombuffer(body, dtype=dtype).reshape(shape).copy()
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from reader.format import registry
 from reader.format.errors import FormatError
-from reader.format.fields import Column, FieldSpec, column_names, read_record_columns
+from reader.format.fields import SOURCE, Column, FieldSpec, column_names, read_record_columns
 from reader.format.manifest import ShardInfo, file_checksum
 from reader.format.records import table_problems
 from reader.format.shard_files import FileIdentity, checked_shard, fd_path
@@ -25,7 +25,7 @@ def load_shard_table(
     pass ``table_problems`` (labels index a class, payloads inside the file, sizes consistent with the
     encoding and shape). With ``checksum``, the whole file must also have the manifest's checksum
     (this reads the whole shard once). Raises ``FormatError`` naming the shard and, for a bad row, the
-    record.
+    record (and its source path, where the shard stores one: ``record_source``).
     """
     path = root / shard.file
     with checked_shard(root, shard) as (fd, identity):
@@ -35,8 +35,18 @@ def load_shard_table(
     problems = table_problems(table, num_classes, registry.encoding(encoding), shape, identity.size)
     if problems:
         what, rows = min(problems, key=lambda problem: problem[1][0])
-        raise FormatError(f"{path}: record {rows[0]}: {what}")
+        source = record_source(root, storage, shard, int(rows[0]))
+        raise FormatError(f"{path}: record {rows[0]}{f' ({source})' if source is not None else ''}: {what}")
     return identity, table
+
+
+def record_source(root: Path, storage: str, shard: ShardInfo, record: int) -> str | None:
+    """The source path of record ``record`` of a shard, for an error message about it: None when the
+    shard stores none (format version 1) or its source column cannot be read."""
+    try:
+        return load_shard_columns(root, storage, shard, [])[SOURCE].value(record)
+    except FormatError:
+        return None
 
 
 def load_shard_columns(

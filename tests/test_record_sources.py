@@ -1,0 +1,139 @@
+"""Source paths and fields beyond the JSON Lines round trip: an ImageFolder's source paths, a CSV's bad rows
+named by line, a record named by its source in errors, fields through Subset / ConcatDataset loaders."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from reader_helpers import chw, make_images
+from torch.utils.data import ConcatDataset, Subset
+
+import packer
+from packer.errors import PackError
+from reader import PackedDataset, make_loader
+from reader.format import DatasetWriter, FormatError
+from reader.format.fields import FieldSpec
+
+
+@pytest.mark.parametrize(("storage", "encoding"), [("lmdb", "raw"), ("hdf5", "jpeg")])
+def test_an_image_folder_records_each_source_path(make_packed_dataset, tmp_path: Path, storage: str,
+                                                  encoding: str) -> None:
+    dst = make_packed_dataset(tmp_path, per_class=3, storage=storage, encoding=encoding, crop=24,
+                              shard_size=1, partitions=2, workers=2)  # a shard per record
+    ds = PackedDataset(dst)
+    assert ds.manifest.format_version == 2 and len(ds.manifest.shards) == 6
+    expected = [f"{name}/{i:03d}.png" for name in ("cat", "dog") for i in range(3)]
+    assert [ds.source(k) for k in range(len(ds))] == expected
+    assert ds.source(-1) == expected[-1] and ds.fields(0) == {}
+    with pytest.raises(IndexError):
+        ds.source(len(ds))
+
+
+def _csv_source(tmp_path: Path, lines: list[str]) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    for k, image in enumerate(make_images(4, [(6, 5)])):
+        Image.fromarray(image).save(src / f"{k}.png")
+    (src / "labels.csv").write_text("\n".join(lines) + "\n")
+    return src
+
+
+@pytest.mark.parametrize(("lines", "declared", "message"), [
+    (["path,label,id", "0.png,a,1", "1.png,b,x2", "2.png,a,3"], {"id": "int"},
+     r"labels.csv, line 3: field 'id': expected an integer, got 'x2'"),
+    (["path,label,emb", "0.png,a,\"[1, 2]\"", "1.png,b,\"[1, 2, 3]\""], {"emb": "vector:2"},
+     r"labels.csv, line 3: field 'emb': expected a list of 2 numbers, got 3"),
+    (["path,label,tags", "0.png,a,\"[\"\"x\"\"]\"", "1.png,b,\"[\"\"y\"\", \"\"z\"\"]\""], {"tags": "labels:x,y"},
+     r"labels.csv, line 3: field 'tags': unknown class 'z' \(the field's classes: x, y\)"),
+    (["path,label,box", "0.png,a,\"[[1, 2, 3, 4]]\"", "", "1.png,b,[1"], {"box": "boxes"},
+     r"labels.csv, line 4: field 'box': '\[1' is not a JSON list"),
+    (["0.png,a,1", "1.png,b,2"], {},
+     r"labels.csv, line 1: expected 2 columns \(path,label\), found 3; a CSV with more columns needs a header"),
+    (["path,label,id", "0.png,a,1", "1.png,b"], {},
+     r"labels.csv, line 3: expected 3 columns \(path,label,id\), found 2"),
+])
+def test_bad_csv_rows_are_named_by_line(tmp_path: Path, lines: list[str], declared: dict, message: str) -> None:
+    src = _csv_source(tmp_path, lines)
+    with pytest.raises(PackError, match=message):
+        packer.pack(src, tmp_path / "out", labels=src / "labels.csv", fields=declared, workers=0, progress=False)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_csv_without_labels_but_with_fields(tmp_path: Path) -> None:
+    src = _csv_source(tmp_path, ["path,caption,score"] + [f"{k}.png,image {k},{k}.5" for k in range(4)])
+    manifest = packer.pack(src, tmp_path / "out", labels=src / "labels.csv", workers=0, progress=False)
+    assert manifest.labelled is False and [(f.name, f.type) for f in manifest.fields] == [
+        ("caption", "str"), ("score", "float")]
+    ds = PackedDataset(tmp_path / "out")
+    assert [ds[k][1] for k in range(4)] == [-1] * 4
+    assert [ds.fields(k) for k in range(4)] == [{"caption": f"image {k}", "score": k + 0.5} for k in range(4)]
+    assert packer.class_counts(tmp_path / "out") == {}
+
+
+def test_a_bad_record_is_named_by_its_source_path(tmp_path: Path) -> None:
+    """A record whose label indexes no class: the reader's open, ``info --classes`` and ``verify`` all
+    name it by shard, record and source path."""
+    dst = tmp_path / "bad"
+    writer = DatasetWriter(dst, "lmdb", shard_size=1 << 20)
+    for k, image in enumerate(make_images(3, [(4, 4)])):
+        writer.add(chw(image).tobytes(), [0, 1, 2][k], 4, 4, source=f"photos/{k}.png")
+    writer.finish(encoding="raw", classes=["a", "b"], shape=[3, 4, 4], transform={}, source={"kind": "test"},
+                  tool_version="test")
+    shard = dst / "shard-00000.lmdb"
+    expected = rf"{shard}: record 2 \(photos/2.png\): label is not a class index"
+    with pytest.raises(FormatError, match=expected):
+        PackedDataset(dst)
+    with pytest.raises(FormatError, match=expected):
+        packer.class_counts(dst)
+    report = packer.verify(dst, progress=False)
+    assert not report.ok and "shard-00000.lmdb: record 2 (photos/2.png): label is not a class index" in report.problems
+
+
+@pytest.fixture(scope="module")
+def two_datasets(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two raw 6x5 datasets of 4 records (labels file with an int id and a boxes field), 2 records a shard."""
+    made = []
+    for part in range(2):
+        root = tmp_path_factory.mktemp(f"part{part}")
+        src = root / "src"
+        src.mkdir()
+        rows = []
+        for k, image in enumerate(make_images(4, [(6, 5)], seed=part)):
+            Image.fromarray(image).save(src / f"{k}.png")
+            rows.append({"path": f"{k}.png", "label": "ab"[k % 2], "id": 10 * part + k, "box": [[k, 0, 1, 1]] * k})
+        (src / "labels.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        packer.pack(src, root / "out", labels=src / "labels.jsonl", crop=(6, 5), shard_size=2 * 90, workers=0,
+                    progress=False)
+        made.append(root / "out")
+    return made
+
+
+@pytest.mark.parametrize("kind", ["subset", "concat"])
+def test_fields_through_a_subset_or_a_concatenation(two_datasets: list[Path], kind: str) -> None:
+    first, second = (PackedDataset(path) for path in two_datasets)
+    if kind == "subset":
+        dataset, ids = Subset(first, [3, 0, 2]), [3, 0, 2]
+    else:
+        dataset, ids = ConcatDataset([Subset(first, [1, 2]), second]), [1, 2, 10, 11, 12, 13]
+    loader = make_loader(dataset, 2, num_workers=1, order="sequential", fields=["id", "source", "box"],
+                         evaluation=True, multiprocessing_context="fork")
+    batches = list(loader)
+    assert all(list(b) == ["image", "label", "index", "valid", "id", "source", "box"] for b in batches)
+    got_ids = torch.cat([b["id"] for b in batches]).tolist()
+    assert got_ids == ids
+    assert [s for b in batches for s in b["source"]] == [f"{i % 10}.png" for i in ids]
+    assert [b.tolist() for batch in batches for b in batch["box"]] == [[[i % 10, 0, 1, 1]] * (i % 10) for i in ids]
+    for batch in batches:
+        for image, position in zip(batch["image"], batch["index"].tolist()):
+            assert torch.equal(image, dataset[position][0])
+
+
+def test_the_writer_refuses_a_record_whose_fields_do_not_match_the_schema(tmp_path: Path) -> None:
+    writer = DatasetWriter(tmp_path / "out", "hdf5", 1 << 20, fields=[FieldSpec("id", "int")])
+    with pytest.raises(ValueError, match=r"record 'x.png': fields id do not match the schema \(id\)"):
+        writer.add(np.zeros(3, np.uint8).tobytes(), 0, 1, 1, source="x.png", fields={})
+    writer.abort()
