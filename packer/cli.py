@@ -312,7 +312,7 @@ def bench_command(dataset: Path, baseline: Path | None, orders: list[str], worke
         click.echo(bench.format_table(results))
 
 
-_APPEND_TAKES_DST_S = ("fields", "storage", "resize", "crop", "encoding", "quality", "force", "max_pixels",
+_SET_BY_DST = ("fields", "storage", "resize", "crop", "encoding", "quality", "force", "max_pixels",
                        "partitions", "part", "ray_address", "resampler")
 
 
@@ -320,7 +320,7 @@ def _append_command(src: Path, dst: Path, labels: Path | None, label_kind: str, 
                     on_error: str, shard_size: int, max_file_bytes: int, quiet: bool) -> None:
     """``pack --append``: refuse options that would change how DST is packed, then append."""
     ctx = click.get_current_context()
-    given = [name for name in _APPEND_TAKES_DST_S
+    given = [name for name in _SET_BY_DST
              if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
     if given:
         option = next(p for p in ctx.command.params if p.name == given[0]).opts[0]
