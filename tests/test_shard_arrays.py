@@ -94,3 +94,15 @@ def test_an_hdf5_array_linked_to_another_file_is_refused(tmp_path: Path) -> None
     store(shard, "ints", h5py.ExternalLink(str(tmp_path / "other.h5"), "ints"))
     with pytest.raises(FormatError, match=rf"^{shard}: /arrays/ints is externallink, not a dataset stored in this"):
         container("hdf5").read_arrays(shard, shard.stat().st_size, shard, ["ints"])
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_an_array_no_reader_accepts_is_refused_before_the_shard_is_finished(tmp_path: Path, storage: str) -> None:
+    shard = tmp_path / f"shard{container(storage).suffix}"
+    writer = container(storage).writer(shard)
+    writer.append(b"x", 0, 1, 1)
+    with pytest.raises(ValueError, match=rf"^{shard}: array names has dtype <U1 and shape \(1,\); a shard stores "
+                                         r"int64, float64, float32, uint8 arrays of at most two dimensions$"):
+        writer.finish({"ints": ARRAYS["ints"], "names": np.array(["a"])})
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []

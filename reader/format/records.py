@@ -98,8 +98,14 @@ def check_array_layout(
 ) -> None:
     """Refuse a stored named array of another dtype than ``ARRAY_DTYPES``, in Fortran order, or of
     more than two dimensions."""
-    if dtype not in ARRAY_DTYPES or fortran or len(shape) > 2:
+    if not is_plain_column(dtype, shape) or fortran:
         raise FormatError(f"{shown}: {what} has dtype {dtype} and shape {shape}, not a plain column")
+
+
+def is_plain_column(dtype: np.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether a named array of ``dtype`` and ``shape`` may be stored in a shard: one of
+    ``ARRAY_DTYPES``, at most two dimensions."""
+    return dtype in ARRAY_DTYPES and len(shape) <= 2
 
 
 def _npy_parts(blob: bytes, shown: object, what: str) -> tuple[tuple[int, ...], bool, np.dtype, bytes]:
