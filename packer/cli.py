@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from packer.appending import append
 from packer.cleanup import Terminated
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, class_counts, describe_transform, info
@@ -161,14 +162,20 @@ def main() -> None:
               "on the cluster at ADDRESS (auto, host:port, ray://host:port). Needs the ray extra.")
 @click.option("--resampler", type=click.Choice(RESAMPLERS),
               help="Who resizes [default: pil with pillow-simd, torch with plain Pillow].")
+@click.option("--append", is_flag=True,
+              help="Add SRC's images to the finished dataset DST as new shards, with DST's own settings "
+              "(classes extended by name, the manifest swapped atomically).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def pack_command(src: Path, dst: Path, labels: Path | None, fields: tuple[FieldSpec, ...], storage: str,
                  resize: int | tuple[int, int] | None, crop: int | tuple[int, int] | None,
                  encoding: str, quality: int, shard_size: int, workers: int | None, on_error: str,
                  force: bool, max_pixels: int, max_file_bytes: int, label_kind: str,
                  partitions: int | None, part: Part | None, ray_address: str | None, resampler: str | None,
-                 quiet: bool) -> None:
+                 append: bool, quiet: bool) -> None:
     """Pack the images under SRC (one sub-folder per class, or --labels) into the dataset DST."""
+    if append:
+        _append_command(src, dst, labels, label_kind, workers, on_error, shard_size, max_file_bytes, quiet)
+        return
     try:
         manifest = pack(src, dst, labels=labels, storage=storage, resize=resize, crop=crop,
                         encoding=encoding, quality=quality, shard_size=shard_size, workers=workers,
@@ -303,6 +310,27 @@ def bench_command(dataset: Path, baseline: Path | None, orders: list[str], worke
         click.echo(json.dumps(bench.as_json_rows(results), indent=2))
     else:
         click.echo(bench.format_table(results))
+
+
+_SET_BY_DST = ("fields", "storage", "resize", "crop", "encoding", "quality", "force", "max_pixels",
+                       "partitions", "part", "ray_address", "resampler")
+
+
+def _append_command(src: Path, dst: Path, labels: Path | None, label_kind: str, workers: int | None,
+                    on_error: str, shard_size: int, max_file_bytes: int, quiet: bool) -> None:
+    """``pack --append``: refuse options that would change how DST is packed, then append."""
+    ctx = click.get_current_context()
+    given = [name for name in _SET_BY_DST
+             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        option = next(p for p in ctx.command.params if p.name == given[0]).opts[0]
+        raise click.UsageError(f"--append packs with DST's own settings: leave out {option}")
+    try:
+        manifest = append(src, dst, labels=labels, label_kind=label_kind, workers=workers, on_error=on_error,
+                          shard_size=shard_size, progress=not quiet, max_file_bytes=max_file_bytes)
+    except (PackError, FormatError) as e:
+        raise click.ClickException(str(e)) from None
+    _print_pack_summary(dst, manifest)
 
 
 def _print_pack_summary(dst: Path, manifest: Manifest) -> None:

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from packer.transforms import SourceFileError, TransformSpec, load_image, load_raw_record
+from packer.transforms import ImageSource, SourceFileError, TransformSpec, load_image, load_raw_record
 from reader.format import encoding
 
 
@@ -27,16 +27,16 @@ class Failure(NamedTuple):
     reason: str
 
 
-def encode_file(path: str, spec: TransformSpec) -> Encoded | Failure:
-    """Apply the pre-transform and the encoding to one file.
+def encode_image(source: ImageSource, spec: TransformSpec) -> Encoded | Failure:
+    """Apply the pre-transform and the encoding to one image (a file, its bytes or a PIL image).
 
     Whatever exception reading a broken file makes PIL raise (it is not limited to ``OSError``) is that
     file's ``Failure``, so that one bad file can be skipped rather than stop the whole pack.
     """
     try:
         if spec.encoding == "raw":
-            return Encoded(*load_raw_record(path, spec))
-        img = load_image(path, spec)
+            return Encoded(*load_raw_record(source, spec))
+        img = load_image(source, spec)
         return Encoded(encoding(spec.encoding).encode(img, spec.quality), img.height, img.width)
     except Exception as e:
         return Failure(describe_failure(e))

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 from packer.cleanup import cleaned_up_on_failure
@@ -59,6 +60,7 @@ def pack(
     resampler: str | None = None,
     runner: Runner | None = None,
     fields: Mapping[str, str | FieldSpec] | None = None,
+    base_classes: Sequence[str] = (),
 ) -> Manifest | None:
     """Pack the images under ``src`` into the dataset directory ``dst`` and return its manifest.
 
@@ -72,27 +74,30 @@ def pack(
     resumes when rerun with the same arguments, keeping the partitions already finished.
     ``resampler`` (``"pil"`` or ``"torch"``) says who resizes; the default is ``packer.resampling``'s.
 
-    ``part`` (``"I/N"``, ``"slurm"`` or a ``Part``) packs only task I's share of the partitions and
-    returns None; once every task is done, ``packer.merge_parts(dst)`` writes the manifest.
-    ``runner`` packs the partition tasks instead of the local process pool (``packer.ray_runner``).
-    Source files over ``max_file_bytes`` (or not regular files) are per-file errors; ``label_kind``
-    (``auto``, ``index``, ``name``) says how a CSV's labels are read (``packer.sources``). A failed or
-    interrupted pack (a full disk, SIGINT, SIGTERM) leaves no temporary file of its own
-    (``packer.cleanup``). ``labels`` may also be a JSON Lines file, and a labels file's other columns or
-    keys are stored as each record's fields (``packer.labels_file``), typed by ``fields`` where given
-    (``{"emb": "vector:128", "tags": "labels"}`` or ``FieldSpec``s), inferred otherwise. Every record
-    also keeps its source path. Raises ``PackError`` on bad input and for a full disk.
+    ``part`` (``"I/N"``, ``"slurm"`` or a ``Part``) packs only task I's share of the partitions and returns
+    None; once every task is done, ``packer.merge_parts(dst)`` writes the manifest. ``runner`` packs the
+    partition tasks instead of the local process pool (``packer.ray_runner``). Source files over
+    ``max_file_bytes`` (or not regular files) are per-file errors; ``label_kind`` (``auto``, ``index``,
+    ``name``) says how a CSV's labels are read (``packer.sources``). A failed or interrupted pack (a full
+    disk, SIGINT, SIGTERM) leaves no temporary file of its own (``packer.cleanup``). ``labels`` may also be
+    a JSON Lines file, and a labels file's other columns or keys are stored as each record's fields
+    (``packer.labels_file``), typed by ``fields`` where given (``{"emb": "vector:128", "tags": "labels"}``
+    or ``FieldSpec``s), inferred otherwise. Every record also keeps its source path. ``base_classes`` come
+    first, keeping their ids, and the source's other classes follow (what ``packer.append`` needs to extend
+    a dataset's classes without relabelling). Raises ``PackError`` on bad input and for a full disk.
     """
-    spec = _transform_spec(resize, crop, encoding, quality, max_pixels, max_file_bytes, resampler)
-    _check_options(storage, shard_size, on_error)
-    worker_count = _worker_count(workers)
+    spec = transform_spec(resize, crop, encoding, quality, max_pixels, max_file_bytes, resampler)
+    check_options(storage, shard_size, on_error)
+    processes = worker_count(workers)
     task_part = parse_part(part) if isinstance(part, str) else part
     dst = Path(dst)
     check_destination(dst, force)
-    declared = {name: spec if isinstance(spec, FieldSpec) else declare_field(f"{name}:{spec}")
-                for name, spec in (fields or {}).items()}
+    declared = {name: f if isinstance(f, FieldSpec) else declare_field(f"{name}:{f}")
+                for name, f in (fields or {}).items()}
     plan = scan_source(src, labels, on_error, max_file_bytes=max_file_bytes, label_kind=label_kind, exclude=dst,
                        fields=declared)
+    if base_classes and plan.labelled:
+        plan.classes, plan.labels = _extended_classes(list(base_classes), plan.classes, plan.labels)
     if not len(plan):
         raise PackError(f"{src}: no images to pack ({_empty_reason(plan)})")
     all_partitions = cut(len(plan), partitions or default_partition_count(len(plan)))
@@ -118,12 +123,20 @@ def pack(
         total = sum(len(p) for p in mine)
         with tqdm(total=total, initial=total - sum(len(t.partition) for t in tasks), unit="img",
                   disable=not progress, desc="pack" if task_part is None else f"pack part {task_part}") as bar:
-            run = runner or (lambda todo, on_records: pack_partitions(todo, worker_count, on_records))
+            run = runner or (lambda todo, on_records: pack_partitions(todo, processes, on_records))
             new = run(tasks, bar.update)
         if task_part is not None:
             return None
         records = sorted(done + new, key=lambda r: r.partition.index)
         return write_manifest(dst, plan_record, records)
+
+
+def _extended_classes(base: list[str], classes: list[str], labels: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """``base`` then the new classes in their order; ``labels`` renumbered to match."""
+    extended = base + [name for name in classes if name not in set(base)]
+    index = {name: i for i, name in enumerate(extended)}
+    renumber = np.array([index[name] for name in classes], dtype=np.int64)
+    return extended, renumber[labels] if len(labels) else labels
 
 
 def _plan_record(
@@ -179,7 +192,7 @@ def _task(settings: PackSettings, plan: Plan, partition: Partition) -> Partition
                          {name: values[taken] for name, values in plan.values.items()})
 
 
-def _transform_spec(
+def transform_spec(
     resize: int | tuple[int, int] | None,
     crop: int | tuple[int, int] | None,
     encoding: str,
@@ -195,7 +208,7 @@ def _transform_spec(
         raise PackError(str(e)) from None
 
 
-def _check_options(storage: str, shard_size: int, on_error: str) -> None:
+def check_options(storage: str, shard_size: int, on_error: str) -> None:
     if storage not in STORAGES:
         raise PackError(f"storage {storage!r} is not one of {', '.join(STORAGES)}")
     if shard_size < 1:
@@ -204,7 +217,7 @@ def _check_options(storage: str, shard_size: int, on_error: str) -> None:
         raise PackError(f"on_error {on_error!r} is not one of {', '.join(ON_ERROR)}")
 
 
-def _worker_count(workers: int | None) -> int:
+def worker_count(workers: int | None) -> int:
     if workers is None:
         return len(os.sched_getaffinity(0))
     if workers < 0:

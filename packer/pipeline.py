@@ -25,7 +25,7 @@ import numpy as np
 
 from packer.cleanup import leave_interrupts_to_the_parent
 from packer.destination import partition_shard_name
-from packer.encoding import Failure, encode_file
+from packer.encoding import Failure, encode_image
 from packer.errors import PackError
 from packer.journal import PartRecord
 from packer.malloc_tuning import reuse_large_allocations
@@ -55,7 +55,9 @@ class PackSettings:
 @dataclass(frozen=True)
 class PartitionTask:
     """One partition to pack: its range, and its images' paths (relative to the root), labels, source
-    names (what each record's source path is recorded as) and field values (one list per field)."""
+    names (what each record's source path is recorded as) and field values (one list per field).
+    ``images``: the images themselves (``packer.items``: paths, bytes or PIL images) instead of files
+    under the root; ``paths`` then only repeat the source names."""
 
     settings: PackSettings
     partition: Partition
@@ -63,6 +65,17 @@ class PartitionTask:
     labels: np.ndarray
     sources: list[str]
     values: dict[str, list[Any]] = field(default_factory=dict)
+    images: list[Any] | None = None
+
+    def image(self, k: int) -> Any:
+        """The ``k``-th image of the partition, as ``encode_image`` takes it."""
+        return str(self.settings.root / self.paths[k]) if self.images is None else self.images[k]
+
+    def shown(self, k: int) -> str:
+        """The ``k``-th image as an error names it."""
+        if self.images is None:
+            return str(self.settings.root / display_name(self.paths[k]))
+        return f"item {self.partition.start + k} ({self.sources[k]})"
 
 
 class Stopped(Exception):
@@ -118,14 +131,13 @@ def _encode_partition(
     )
     skipped: list[tuple[int, Skipped]] = []
     try:
-        for k, (position, path, label) in enumerate(zip(range(partition.start, partition.end), task.paths,
-                                                        task.labels)):
+        for k, (position, label) in enumerate(zip(range(partition.start, partition.end), task.labels)):
             if should_stop is not None and should_stop():
                 raise Stopped
-            result = encode_file(str(settings.root / path), settings.spec)
+            result = encode_image(task.image(k), settings.spec)
             if isinstance(result, Failure):
                 if settings.on_error == "fail":
-                    raise PackError(f"{settings.root / display_name(path)}: {result.reason}")
+                    raise PackError(f"{task.shown(k)}: {result.reason}")
                 skipped.append((position, Skipped(task.sources[k], result.reason)))
             else:
                 shards.add(result.payload, int(label), result.height, result.width, source=task.sources[k],
@@ -152,15 +164,17 @@ def _finish_partition(
 
 
 def pack_partitions(
-    tasks: list[PartitionTask], workers: int, on_records: Callable[[int], Any]
+    tasks: Iterable[PartitionTask], workers: int, on_records: Callable[[int], Any]
 ) -> list[PartRecord]:
     """Pack every task's partition with ``workers`` processes; their part records, in task order.
 
-    ``on_records(n)`` is called in this process as images are done. The first failure stops the other
-    partitions (their finished shards stay for a rerun to overwrite) and is raised here; so is the
-    death of a worker process.
+    ``tasks`` may be a list or a stream (``packer.items`` makes them as it reads its items): at most
+    ``2 * workers`` of them are taken ahead of the workers, so a stream of in-memory images is never
+    held whole. ``on_records(n)`` is called in this process as images are done. The first failure
+    stops the other partitions (their finished shards stay for a rerun to overwrite) and is raised
+    here; so is the death of a worker process.
     """
-    if workers <= 1 or len(tasks) <= 1:
+    if isinstance(tasks, list) and len(tasks) <= 1 or workers <= 1:
         reuse_large_allocations()
         return list(pack_in_turn(tasks, on_records))
     context = multiprocessing.get_context("fork")
@@ -168,16 +182,16 @@ def pack_partitions(
     done_count, stop = context.Value("q", 0), context.Event()
     processes = [
         context.Process(target=_worker, args=(todo, results, done_count, stop), daemon=True)
-        for _ in range(min(workers, len(tasks)))
+        for _ in range(min(workers, len(tasks)) if isinstance(tasks, list) else workers)
     ]
     for process in processes:  # forked before this process starts the queue's feeder thread
         process.start()
-    for task in [*tasks, *[None] * len(processes)]:
-        todo.put(task)
+    feeder = _Feeder(iter(tasks), todo, len(processes))
     records: dict[int, PartRecord] = {}
     reported = 0
     try:
-        while len(records) < len(tasks):
+        feeder.feed(outstanding=0)
+        while not feeder.finished or len(records) < len(feeder.fed):
             try:
                 kind, payload = results.get(timeout=_PROGRESS_SECONDS)
             except queue.Empty:
@@ -190,6 +204,7 @@ def pack_partitions(
             if kind == "error":
                 raise payload.rebuilt()
             records[payload.partition.index] = payload
+            feeder.feed(outstanding=len(feeder.fed) - len(records))
     finally:
         stop.set()
         for process in processes:
@@ -197,7 +212,28 @@ def pack_partitions(
             if process.is_alive():
                 process.kill()
                 process.join()
-    return [records[task.partition.index] for task in tasks]
+    return [records[index] for index in feeder.fed]
+
+
+class _Feeder:
+    """Puts tasks on the workers' queue as they free up, then one end marker per worker."""
+
+    def __init__(self, tasks: Iterator[PartitionTask], todo: Any, workers: int) -> None:
+        self.tasks, self.todo, self.workers = tasks, todo, workers
+        self.fed: list[int] = []
+        self.finished = False
+
+    def feed(self, outstanding: int) -> None:
+        while not self.finished and outstanding < 2 * self.workers:
+            task = next(self.tasks, None)
+            if task is None:
+                self.finished = True
+                for _ in range(self.workers):
+                    self.todo.put(None)
+                return
+            self.todo.put(task)
+            self.fed.append(task.partition.index)
+            outstanding += 1
 
 
 def _worker(todo: Any, results: Any, done_count: Any, stop: Any) -> None:

@@ -234,42 +234,60 @@ def resize_and_crop(
     return img.resize(crop, Image.BILINEAR, box=(box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy))
 
 
-def load_image(path: str | Path, spec: TransformSpec) -> Image.Image:
-    """Open ``path`` and apply the steps up to the crop: an RGB image of the final size.
+ImageSource = str | Path | bytes | Image.Image
+"""Where an image comes from: a file path, a file's bytes, or a PIL image already in memory."""
+
+
+def load_image(source: ImageSource, spec: TransformSpec) -> Image.Image:
+    """Open ``source`` and apply the steps up to the crop: an RGB image of the final size.
 
     Raises whatever PIL raises for a bad file (``OSError``, ``SyntaxError``, ...), the
     ``DecompressionBombWarning`` (as an error) or ``DecompressionBombError`` for an image larger than
     ``max_pixels``, and ``ValueError`` for a zero-size image; the caller turns these into file errors.
     """
-    return _load(path, spec, _resized_image)
+    return _load(source, spec, _resized_image)
 
 
-def load_raw_record(path: str | Path, spec: TransformSpec) -> tuple[bytes, int, int]:
+def load_raw_record(source: ImageSource, spec: TransformSpec) -> tuple[bytes, int, int]:
     """``load_image`` then the ``raw`` encoding: ``(payload, height, width)``, the same bytes as
-    ``encoding("raw").encode(load_image(path, spec), ...)``. With the torch resampler the channel-major payload
+    ``encoding("raw").encode(load_image(path, spec), ...)``. With the torch resampler the channel-major
+    payload
     comes straight from the resized tensor, skipping a PIL image (0.2-0.3 ms an image here)."""
-    return _load(path, spec, _raw_record)
+    return _load(source, spec, _raw_record)
 
 
 def _load(
-    path: str | Path, spec: TransformSpec,
+    source: ImageSource, spec: TransformSpec,
     finish: Callable[[Image.Image, Image.Image, tuple[int, int], TransformSpec], T],
 ) -> T:
-    """Open ``path``, apply the steps up to the colour rule, and hand the upright RGB(X) image to
-    ``finish(image, opened, resize target, spec)`` while the opened file is still open."""
-    data = read_source_file(path, spec.max_file_bytes)
+    """Open ``source``, apply the steps up to the colour rule, and hand the upright RGB(X) image to
+    ``finish(image, opened, resize target, spec)`` while the opened file is still open. A PIL image
+    in memory takes the same steps (its EXIF orientation too) but has no file to draft from."""
+    if isinstance(source, Image.Image):
+        if source.width * source.height > spec.max_pixels:
+            raise Image.DecompressionBombError(f"image of {source.width}x{source.height} pixels is over "
+                                               f"max_pixels {spec.max_pixels}")
+        return _upright(source, b"", spec, finish)
+    data = source if isinstance(source, bytes) else read_source_file(source, spec.max_file_bytes)
     with _pixel_limit(spec.max_pixels), Image.open(io.BytesIO(data)) as img:
-        width, height = img.size
-        if width == 0 or height == 0:
-            raise ValueError(f"zero-size image ({width}x{height})")
-        orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
-        rotated = orientation in _ORIENTATION_TRANSPOSE and orientation >= 5
-        target = resize_target(*((height, width) if rotated else (width, height)), spec.pil_resize)
-        draft = None if spec.resize is None else (target[1], target[0]) if rotated else target
-        out = _decode(img, data, draft)
-        if orientation in _ORIENTATION_TRANSPOSE:
-            out = out.transpose(_ORIENTATION_TRANSPOSE[orientation])
-        return finish(to_rgb(out), img, target, spec)
+        return _upright(img, data, spec, finish)
+
+
+def _upright(
+    img: Image.Image, data: bytes, spec: TransformSpec,
+    finish: Callable[[Image.Image, Image.Image, tuple[int, int], TransformSpec], T],
+) -> T:
+    width, height = img.size
+    if width == 0 or height == 0:
+        raise ValueError(f"zero-size image ({width}x{height})")
+    orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+    rotated = orientation in _ORIENTATION_TRANSPOSE and orientation >= 5
+    target = resize_target(*((height, width) if rotated else (width, height)), spec.pil_resize)
+    draft = None if spec.resize is None else (target[1], target[0]) if rotated else target
+    out = _decode(img, data, draft)
+    if orientation in _ORIENTATION_TRANSPOSE:
+        out = out.transpose(_ORIENTATION_TRANSPOSE[orientation])
+    return finish(to_rgb(out), img, target, spec)
 
 
 def _resized_image(

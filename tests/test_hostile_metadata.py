@@ -19,7 +19,7 @@ from hostile_helpers import assert_one_line_error, edit_manifest, first_shard, f
 import packer
 from reader import PackedDataset
 from reader.format import FormatError, container
-from reader.format.lmdb_shard import TABLE_KEY
+from reader.format.lmdb_shard import TABLE_KEY, array_key
 
 
 @pytest.fixture(params=["lmdb", "hdf5"])
@@ -171,6 +171,29 @@ def test_damaged_npy_tables_never_allocate_or_leak_parser_errors(tmp_path: Path,
         "too few bytes": raw_lmdb_table(npy_bytes(
             f"{{'descr': {dtype}, 'fortran_order': False, 'shape': (4,), }}".encode()) + b"\0" * 10, "holds 10 bytes"),
     }))
+
+
+def raw_lmdb_array(name: str, blob: bytes, *words: str) -> Callable[[Path], tuple[str, ...]]:
+    def damage(dst: Path) -> tuple[str, ...]:
+        shard = first_shard(dst)
+        env = lmdb.open(str(shard), subdir=False, lock=False)
+        with env.begin(write=True) as txn:
+            txn.put(array_key(name), blob)
+        env.close()
+        set_manifest_bytes(dst, 0, shard.stat().st_size)
+        return (shard.name, *words)
+    return damage
+
+
+def test_damaged_npy_arrays_never_allocate_or_leak_parser_errors(tmp_path: Path, make_packed_dataset) -> None:
+    """Shapes whose element count wraps around 64 bits, or has a negative side, against an empty body.
+    The source column is read when asked for (``ds.source``), not to read pixels: ``verify`` reports it."""
+    dst = make_packed_dataset(tmp_path, storage="lmdb", resize=16, crop=16, shard_size=4 * 768)
+    assert_all_refused(damaged_copies(dst, {
+        f"shape {shape}": raw_lmdb_array("source.values", npy_bytes(
+            f"{{'descr': '|u1', 'fortran_order': False, 'shape': {shape}, }}".encode()), "source.values")
+        for shape in ("(4294967296, 4294967296)", "(-1, 0)", "(0, -5)")
+    }, raising=()))
 
 
 def repack_with_other_labels(src: Path, dst: Path) -> None:

@@ -61,8 +61,8 @@ def test_non_regular_source_files_fail_or_are_skipped(src: Path, tmp_path: Path,
 
 def test_a_fifo_swapped_in_after_the_scan_is_refused_when_read(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "late.png")
-    code = ("import sys; from packer.pipeline import encode_file; from packer.transforms import TransformSpec;"
-            "print(encode_file(sys.argv[1], TransformSpec()))")
+    code = ("import sys; from packer.pipeline import encode_image; from packer.transforms import TransformSpec;"
+            "print(encode_image(sys.argv[1], TransformSpec()))")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "late.png")], capture_output=True,
                           text=True, timeout=60, env=subprocess_env())
     assert done.stdout.strip() == "Failure(reason='not a regular file')", done.stderr

@@ -33,13 +33,13 @@ def src(tmp_path: Path, make_image_folder: Callable[..., Path]) -> Path:
 def count_encoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record which images the (in-process) pack encodes."""
     encoded: list[str] = []
-    original = packer.pipeline.encode_file
+    original = packer.pipeline.encode_image
 
-    def encode_file(path, spec):  # type: ignore[no-untyped-def]
+    def encode_image(path, spec):  # type: ignore[no-untyped-def]
         encoded.append(Path(path).name)
         return original(path, spec)
 
-    monkeypatch.setattr(packer.pipeline, "encode_file", encode_file)
+    monkeypatch.setattr(packer.pipeline, "encode_image", encode_image)
     return encoded
 
 

@@ -19,7 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from reader.format.durable import fsync_directory
-from reader.format.records import RECORD_TABLE_DTYPE
+from reader.format.records import ARRAY_DTYPES, RECORD_TABLE_DTYPE, is_plain_column
 
 
 class ShardWriter(abc.ABC):
@@ -44,7 +44,14 @@ class ShardWriter(abc.ABC):
 
     def finish(self, arrays: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """Write the record table (and the named ``arrays``: per-record columns, see
-        ``reader.format.fields``), fsync, and rename the shard to its final name. Returns the table."""
+        ``reader.format.fields``), fsync, and rename the shard to its final name. Returns the table.
+        An array no reader would accept is a ``ValueError`` naming the shard, before anything is
+        finished (call ``abort()``): a finished shard is always readable."""
+        for name, array in (arrays or {}).items():
+            if not is_plain_column(array.dtype, array.shape):
+                raise ValueError(f"{self.path}: array {name} has dtype {array.dtype} and shape {array.shape}; "
+                                 f"a shard stores {', '.join(map(str, ARRAY_DTYPES))} arrays of at most two "
+                                 "dimensions")
         table = np.zeros(len(self._rows), dtype=RECORD_TABLE_DTYPE)
         rows = np.array(self._rows, dtype=np.int64).reshape(-1, 4)
         table["nbytes"], table["label"], table["height"], table["width"] = rows.T

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import numpy as np
 
@@ -97,8 +98,14 @@ def check_array_layout(
 ) -> None:
     """Refuse a stored named array of another dtype than ``ARRAY_DTYPES``, in Fortran order, or of
     more than two dimensions."""
-    if dtype not in ARRAY_DTYPES or fortran or len(shape) > 2:
+    if not is_plain_column(dtype, shape) or fortran:
         raise FormatError(f"{shown}: {what} has dtype {dtype} and shape {shape}, not a plain column")
+
+
+def is_plain_column(dtype: np.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether a named array of ``dtype`` and ``shape`` may be stored in a shard: one of
+    ``ARRAY_DTYPES``, at most two dimensions."""
+    return dtype in ARRAY_DTYPES and len(shape) <= 2
 
 
 def _npy_parts(blob: bytes, shown: object, what: str) -> tuple[tuple[int, ...], bool, np.dtype, bytes]:
@@ -114,8 +121,8 @@ def _npy_parts(blob: bytes, shown: object, what: str) -> tuple[tuple[int, ...], 
 
 
 def _npy_body(body: bytes, shape: tuple[int, ...], dtype: np.dtype, shown: object, what: str) -> np.ndarray:
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if len(body) != count * dtype.itemsize:
+    # math.prod: Python integers, so a huge shape cannot wrap around to the body's size
+    if min(shape, default=0) < 0 or len(body) != math.prod(shape) * dtype.itemsize:
         raise FormatError(f"{shown}: {what} holds {len(body)} bytes for shape {shape} (damaged)")
     return np.frombuffer(body, dtype=dtype).reshape(shape).copy()
 

@@ -1,0 +1,95 @@
+"""``append()``: add images to a finished dataset as new shards, swapping its manifest atomically.
+
+The new images are packed with the dataset's own settings (storage, encoding, JPEG quality and
+pre-transform, fields) into a staging directory inside it, ``.append-GGGG`` (G: one more than the
+appends already made), exactly as ``pack`` would pack them: partitioned, on every core, resumable.
+Their classes extend the dataset's by name (a class already there keeps its id; a new one gets the
+next id), so no record is ever relabelled. The staged shards are then renamed into the dataset as
+``append-GGGG-<name>`` (hard to collide with anything the packer writes) and the manifest listing old
+and new shards replaces the old one in one atomic rename, the last step: a reader opening the dataset
+meanwhile sees the old dataset or the new one, never a mix, and an interrupted append leaves the old
+dataset intact; rerunning the same command finishes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+from packer.errors import PackError
+from packer.joining import reconciled_classes
+from packer.packing import pack
+from packer.transforms import DEFAULT_MAX_FILE_BYTES, TransformSpec
+from packer.version import __version__
+from reader.format import MANIFEST_NAME, FormatError, Manifest, ShardInfo, load_manifest
+from reader.format.durable import fsync_directory
+
+_GENERATION = re.compile(r"append-(\d{4,})-")
+
+
+def append(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    labels: str | os.PathLike | None = None,
+    label_kind: str = "auto",
+    workers: int | None = None,
+    on_error: str = "fail",
+    shard_size: int = 512 << 20,
+    progress: bool = True,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> Manifest:
+    """Pack the images of ``src`` (a folder or a ``labels`` file, as for ``pack``) and add them to the
+    finished dataset ``dst`` (module docstring); returns the new manifest."""
+    dst = Path(dst)
+    try:
+        old = load_manifest(dst)
+    except FormatError as e:
+        raise PackError(f"--append: {e}") from None
+    generation = 1 + max((int(m.group(1)) for s in old.shards if (m := _GENERATION.match(s.file))), default=0)
+    staging = dst / f".append-{generation:04d}"
+    if not (staging / MANIFEST_NAME).exists():
+        _pack_staged(src, staging, old, labels=labels, label_kind=label_kind, workers=workers,
+                     on_error=on_error, shard_size=shard_size, progress=progress, max_file_bytes=max_file_bytes)
+    new = load_manifest(staging)
+    classes = reconciled_classes([dst, staging], [old, new])
+    shards = [_moved_in(staging, dst, shard, f"append-{generation:04d}-{shard.file}") for shard in new.shards]
+    fsync_directory(dst)
+    joined = dataclasses.replace(old, classes=classes, shards=old.shards + shards,
+                                 source=_appended_source(old.source, new.source), tool_version=__version__)
+    joined.write(dst)
+    shutil.rmtree(staging)
+    return joined
+
+
+def _pack_staged(src: str | os.PathLike, staging: Path, old: Manifest, **options: Any) -> None:
+    """Pack ``src`` into ``staging`` with ``old``'s settings and classes first."""
+    if not old.has_sources:
+        raise PackError(f"{staging.parent}: a format-version-1 dataset; repack it to append to it")
+    spec = TransformSpec.from_description(old.transform)
+    pack(src, staging, storage=old.storage, resize=spec.resize, crop=spec.crop, encoding=old.encoding,
+         quality=old.jpeg_quality or 90, resampler=spec.resampler,
+         max_pixels=old.transform.get("max_pixels", spec.max_pixels),
+         fields={field.name: field for field in old.fields}, base_classes=old.classes, **options)
+
+
+def _moved_in(staging: Path, dst: Path, shard: ShardInfo, name: str) -> ShardInfo:
+    """Rename a staged shard into the dataset (done already when a rerun finds it there)."""
+    target = dst / name
+    if (staging / shard.file).exists():
+        os.replace(staging / shard.file, target)
+    elif not target.is_file() or target.stat().st_size != shard.bytes:
+        raise PackError(f"{staging / shard.file}: missing, and not moved to {target} either; "
+                        f"remove {staging} and append again")
+    return dataclasses.replace(shard, file=name)
+
+
+def _appended_source(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The dataset's source, with the appended source's counts and skipped files added."""
+    appended = [*old.get("appended", []), {k: new.get(k) for k in ("kind", "root", "files", "packed")}]
+    return {**old, "files": (old.get("files") or 0) + (new.get("files") or 0),
+            "packed": (old.get("packed") or 0) + (new.get("packed") or 0),
+            "skipped": [*old.get("skipped", []), *new.get("skipped", [])], "appended": appended}

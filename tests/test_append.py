@@ -1,0 +1,131 @@
+"""``packer pack --append``: new images as new shards of a finished dataset, classes extended by name,
+the manifest swapped atomically (a reader racing the append sees the old or the new dataset)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+import packer
+from packer.cli import main
+from packer.errors import PackError
+from reader import PackedDataset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def folder(root: Path, classes: dict[str, int], seed: int, size: tuple[int, int] = (14, 18)) -> Path:
+    """An ImageFolder tree: ``count`` PNGs per class, pixels from ``seed``."""
+    rng = np.random.default_rng(seed)
+    for name, count in classes.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for k in range(count):
+            Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(root / name / f"{seed}-{k}.png")
+    return root
+
+
+def test_append_then_read_verify_and_append_again(tmp_path: Path) -> None:
+    first = folder(tmp_path / "a", {"cat": 3, "dog": 2}, seed=1)
+    packer.pack(first, tmp_path / "ds", resize=12, crop=10, encoding="jpeg", workers=0, progress=False)
+    before = PackedDataset(tmp_path / "ds")
+    old = [(before[i][0].clone(), before[i][1], before.source(i)) for i in range(len(before))]
+
+    second = folder(tmp_path / "b", {"dog": 2, "fox": 2}, seed=2)
+    manifest = packer.append(second, tmp_path / "ds", workers=2, progress=False)
+    assert manifest.classes == ["cat", "dog", "fox"]  # extended by name: dog keeps id 1, fox gets 2
+    kept = [s.file for s in before.manifest.shards]
+    assert [s.file for s in manifest.shards[:len(kept)]] == kept
+    assert all(s.file.startswith("append-0001-") for s in manifest.shards[len(kept):])
+    ds = PackedDataset(tmp_path / "ds")
+    assert len(ds) == 9
+    for i, (pixels, label, source) in enumerate(old):
+        assert torch.equal(ds[i][0], pixels) and ds[i][1] == label and ds.source(i) == source
+    assert [ds.classes[ds[i][1]] for i in range(5, 9)] == ["dog", "dog", "fox", "fox"]
+    assert ds.source(7) == "fox/2-0.png" and ds[7][0].shape == (3, 10, 10)
+    assert packer.verify(tmp_path / "ds", deep=True, progress=False).ok
+    assert manifest.source["files"] == 9 and manifest.source["appended"][0]["packed"] == 4
+    assert not any(p.name.startswith(".append") for p in (tmp_path / "ds").iterdir())
+
+    third = folder(tmp_path / "c", {"ant": 1}, seed=3)
+    manifest = packer.append(third, tmp_path / "ds", workers=0, progress=False)
+    assert manifest.classes == ["cat", "dog", "fox", "ant"] and manifest.shards[-1].file.startswith("append-0002-")
+    assert PackedDataset(tmp_path / "ds").source(9) == "ant/3-0.png"
+    assert packer.verify(tmp_path / "ds", deep=True, progress=False).ok
+
+
+def test_append_refusals_name_the_problem(tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> None:
+    first = folder(tmp_path / "a", {"cat": 2}, seed=1)
+    packer.pack(first, tmp_path / "ds", resize=12, workers=0, progress=False)
+    with pytest.raises(PackError, match=r"--append: .*no manifest.json"):
+        packer.append(first, tmp_path / "nothing", progress=False)
+    labels = tmp_path / "a" / "extra.jsonl"
+    labels.write_text(json.dumps({"path": "cat/1-0.png", "label": "cat", "note": "x"}) + "\n")
+    with pytest.raises(PackError, match=r"fields is \[FieldSpec\(name='note'"):
+        packer.append(tmp_path / "a", tmp_path / "ds", labels=labels, workers=0, progress=False)
+    result = CliRunner().invoke(main, ["pack", str(first), str(tmp_path / "ds"), "--append", "--resize", "20"])
+    assert result.exit_code == 2 and "--append packs with DST's own settings: leave out --resize" in result.stderr
+    assert len(PackedDataset(tmp_path / "ds")) == 2  # unchanged by the refused appends
+
+
+def test_an_interrupted_append_leaves_the_old_dataset_and_a_rerun_finishes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = folder(tmp_path / "a", {"cat": 2}, seed=1)
+    packer.pack(first, tmp_path / "ds", workers=0, progress=False)
+    second = folder(tmp_path / "b", {"dog": 3}, seed=2)
+    real_replace = os.replace
+
+    def crash_after_one_move(source, target):  # the first staged shard moves in, then the process "dies"
+        real_replace(source, target)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(packer.appending.os, "replace", crash_after_one_move)
+    with pytest.raises(KeyboardInterrupt):
+        packer.append(second, tmp_path / "ds", workers=0, shard_size=1, progress=False)
+    assert len(PackedDataset(tmp_path / "ds")) == 2  # the old dataset, intact
+    monkeypatch.setattr(packer.appending.os, "replace", real_replace)
+    manifest = packer.append(second, tmp_path / "ds", workers=0, shard_size=1, progress=False)
+    assert manifest.num_records == 5 and PackedDataset(tmp_path / "ds").source(4) == "dog/2-2.png"
+    assert packer.verify(tmp_path / "ds", progress=False).ok
+
+
+READER = """
+import sys, time
+from reader import PackedDataset
+from reader.format import FormatError
+seen = set()
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    ds = PackedDataset(sys.argv[1])
+    n = len(ds)
+    assert n in (4, 10), n
+    assert [ds[i][1] for i in range(n)] == [0, 0, 1, 1] + [1, 1, 1, 2, 2, 2][: n - 4], n
+    seen.add(n)
+    if n == 10:
+        break
+print(sorted(seen))
+"""
+
+
+def test_a_reader_racing_an_append_sees_the_old_or_the_new_dataset(tmp_path: Path) -> None:
+    first = folder(tmp_path / "a", {"cat": 2, "dog": 2}, seed=1)
+    packer.pack(first, tmp_path / "ds", workers=0, progress=False)
+    second = folder(tmp_path / "b", {"dog": 3, "fox": 3}, seed=2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(tmp_path / "ds")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # the reader is opening the old dataset over and over
+    packer.append(second, tmp_path / "ds", workers=2, shard_size=1, progress=False)
+    out, err = reader.communicate(timeout=90)
+    assert reader.returncode == 0, err
+    assert out.strip() in ("[4, 10]", "[10]")

@@ -1,0 +1,104 @@
+"""``pack_items``: any iterable of images (paths, file bytes, PIL images, arrays) packs to the same
+records as the same files packed from a folder, deterministically, with fields; bad items are named."""
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import packer
+from packer.errors import PackError
+from reader import PackedDataset
+
+
+def folder_items(src: Path, kind: str) -> list[dict]:
+    """The files of an ImageFolder tree in torchvision's order, each image given as ``kind``."""
+    classes = sorted(p.name for p in src.iterdir())
+    files = [(path, c) for c, name in enumerate(classes) for path in sorted((src / name).iterdir())]
+    convert: dict[str, Callable[[Path], object]] = {
+        "path": lambda p: p, "bytes": lambda p: p.read_bytes(), "pil": lambda p: Image.open(p),
+        "array": lambda p: np.asarray(Image.open(p).convert("RGB")),
+    }
+    return [{"image": convert[kind](path), "label": label, "source": str(path.relative_to(src))}
+            for path, label in files]
+
+
+def records(path: Path) -> list[tuple[torch.Tensor, int, str | None]]:
+    ds = PackedDataset(path)
+    return [(*ds[i], ds.source(i)) for i in range(len(ds))]
+
+
+@pytest.mark.parametrize("kind", ["path", "bytes", "pil", "array"])
+def test_items_pack_like_the_same_files_from_a_folder(
+    tmp_path: Path, make_image_folder: Callable[..., Path], kind: str
+) -> None:
+    src = make_image_folder(tmp_path / "src", classes=("cat", "dog"), per_class=5, size=(20, 14))
+    packer.pack(src, tmp_path / "folder", resize=12, crop=10, workers=0, progress=False)
+    manifest = packer.pack_items(folder_items(src, kind), tmp_path / kind, classes=["cat", "dog"], resize=12,
+                                 crop=10, workers=2, partition_size=3, progress=False)
+    assert manifest.classes == ["cat", "dog"] and manifest.num_records == 10 and len(manifest.shards) == 4
+    expected, got = records(tmp_path / "folder"), records(tmp_path / kind)
+    assert [(label, source) for _, label, source in got] == [(label, source) for _, label, source in expected]
+    for (pixels, _, source), (want, _, _) in zip(got, expected):
+        assert torch.equal(pixels, want), source
+    assert packer.verify(tmp_path / kind, deep=True, progress=False).ok
+
+
+def test_the_bytes_do_not_depend_on_the_worker_count(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
+    src = make_image_folder(tmp_path / "src", per_class=4)
+    for workers in (0, 2):
+        items = [{**item, "weight": float(k)} for k, item in enumerate(folder_items(src, "bytes"))]
+        packer.pack_items(items, tmp_path / f"w{workers}", workers=workers, partition_size=3, progress=False)
+    one, two = sorted((tmp_path / "w0").iterdir()), sorted((tmp_path / "w2").iterdir())
+    assert [p.name for p in one] == [p.name for p in two]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two))
+    assert PackedDataset(tmp_path / "w2").fields(5) == {"weight": 5.0}
+
+
+def test_a_webdataset_style_tar_stream_packs_with_its_fields(tmp_path: Path) -> None:
+    """The README's tar example: ``NAME.jpg`` + ``NAME.cls`` members read in order with ``tarfile``."""
+    shard = tmp_path / "shard-000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for k in range(4):
+            jpeg = io.BytesIO()
+            Image.fromarray(np.full((8, 8, 3), 40 * k, np.uint8)).save(jpeg, "JPEG", quality=95)
+            for suffix, data in ((".jpg", jpeg.getvalue()), (".cls", str(k % 2).encode())):
+                info = tarfile.TarInfo(f"sample{k:03d}{suffix}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+    def samples():
+        with tarfile.open(shard) as tar:
+            members = iter(tar)
+            for image, cls in zip(members, members):
+                yield {"image": tar.extractfile(image).read(), "label": int(tar.extractfile(cls).read()),
+                       "source": image.name}
+
+    manifest = packer.pack_items(samples(), tmp_path / "out", workers=0, progress=False)
+    ds = PackedDataset(tmp_path / "out")
+    assert manifest.classes == ["0", "1"] and [ds[k][1] for k in range(4)] == [0, 1, 0, 1]
+    assert ds.source(2) == "sample002.jpg" and abs(int(ds[2][0].float().mean()) - 80) <= 2
+
+
+@pytest.mark.parametrize(("items", "message"), [
+    ([{"image": "missing.png"}], r"item 0 \(missing.png\): unreadable file"),
+    ([{"image": np.zeros((4, 4), np.float32)}], r"item 0: an array image must be uint8"),
+    ([{"image": 3}], r"item 0: image is int; expected a path, bytes, a PIL image or a uint8 array"),
+    ([{"image": np.zeros((4, 4), np.uint8), "label": "a"}, {"image": np.zeros((4, 4), np.uint8)}],
+     r"item 1 \(item-1\): has no label, unlike the first item"),
+    ([{"image": np.zeros((4, 4), np.uint8), "label": "a"}, {"image": np.zeros((4, 4), np.uint8), "label": 1}],
+     r"item 1 \(item-1\): label 1 mixes class names and integer labels"),
+    ([{"image": np.zeros((4, 4), np.uint8), "size": 3}, {"image": np.zeros((4, 4), np.uint8), "size": "big"}],
+     r"item 1 \(item-1\): field 'size': expected an integer, got 'big'"),
+    (["not a mapping"], r"item 0: expected a mapping with an 'image'"),
+])
+def test_bad_items_are_named(tmp_path: Path, items: list, message: str) -> None:
+    with pytest.raises(PackError, match=message):
+        packer.pack_items(items, tmp_path / "out", workers=0, progress=False)
+    assert not (tmp_path / "out" / "manifest.json").exists()
