@@ -144,7 +144,8 @@ class FieldSpec:
 
     def read_column(self, arrays: dict[str, np.ndarray], prefix: str, records: int, shown: object) -> Column:
         """The column stored under ``prefix`` for ``records`` records, checked (dtype, shape, offsets
-        within the values) so that a damaged shard is a ``FormatError`` naming ``shown``."""
+        within the values, label ids of a class) so that a damaged shard is a ``FormatError`` naming
+        ``shown``."""
         dtype = {"int": np.int64, "float": np.float64, "vector": np.float32, "str": np.uint8,
                  "labels": np.int64, "boxes": np.float32}[self.type]
         if self.type not in _VARIABLE:
@@ -161,6 +162,12 @@ class FieldSpec:
         if (offsets.dtype != np.int64 or offsets.shape != (records + 1,) or (offsets[:1] != 0).any()
                 or (np.diff(offsets) < 0).any() or offsets[-1] != len(values)):
             raise FormatError(f"{shown}: column {prefix} has damaged offsets")
+        if self.type == "labels" and len(values):
+            top = len(self.classes) if self.classes is not None else None
+            bad = (values < 0) | (values >= top) if top is not None else values < 0
+            if bad.any():
+                what = f"a class of the field's {top}" if top is not None else "a non-negative label"
+                raise FormatError(f"{shown}: column {prefix} holds {values[bad][0]}, not {what}")
         return Column(self, values, offsets)
 
 
