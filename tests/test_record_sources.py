@@ -58,6 +58,8 @@ def _csv_source(tmp_path: Path, lines: list[str]) -> Path:
      r"labels.csv, line 4: field 'box': '\[1' is not a JSON list"),
     (["0.png,a,1", "1.png,b,2"], {},
      r"labels.csv, line 1: expected 2 columns \(path,label\), found 3; a CSV with more columns needs a header"),
+    (["path,label,source", "0.png,a,x", "1.png,b,y"], {},
+     r"labels.csv: column or key 'source' cannot be a field: field name 'source' is not allowed"),
     (["path,label,id", "0.png,a,1", "1.png,b"], {},
      r"labels.csv, line 3: expected 3 columns \(path,label,id\), found 2"),
 ])

@@ -35,6 +35,13 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _VARIABLE = {"str", "labels", "boxes"}
 
 
+def check_field_name(name: Any) -> None:
+    """``ValueError`` unless ``name`` may name a field: a short identifier-like name, not a batch key."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in RESERVED_NAMES:
+        raise ValueError(f"field name {name!r} is not allowed: use letters, digits, _ . - (not starting "
+                         f"with a digit, at most 64), and none of {', '.join(RESERVED_NAMES)}")
+
+
 @dataclass(frozen=True)
 class FieldSpec:
     """One field: its name, type, the ``length`` of a ``vector``, and the class names of a ``labels``
@@ -46,9 +53,7 @@ class FieldSpec:
     classes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not _NAME.fullmatch(self.name) or self.name in RESERVED_NAMES:
-            raise ValueError(f"field name {self.name!r} is not allowed: use letters, digits, _ . - (not starting "
-                             f"with a digit, at most 64), and none of {', '.join(RESERVED_NAMES)}")
+        check_field_name(self.name)
         if self.type not in FIELD_TYPES:
             raise ValueError(f"field {self.name!r}: type {self.type!r} is not one of {', '.join(FIELD_TYPES)}")
         if (self.type == "vector") != (self.length is not None):
