@@ -13,7 +13,7 @@ from PIL import Image
 
 import packer
 from packer.errors import PackError
-from reader import PackedDataset, make_loader
+from reader import CUDAPrefetcher, PackedDataset, make_loader
 from reader.format import FormatError, load_manifest
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -197,3 +197,17 @@ def test_info_lists_classes_with_counts(tmp_path: Path) -> None:
     src = make_source(tmp_path)
     packer.pack(src, tmp_path / "out", labels=src / "labels.jsonl", workers=0, progress=False)
     assert packer.class_counts(tmp_path / "out") == {"cat": 3, "dog": 2, "fish": 2}
+
+
+def test_the_prefetcher_moves_mapping_batches_with_their_fields(tmp_path: Path) -> None:
+    src = make_source(tmp_path)
+    packer.pack(src, tmp_path / "out", labels=src / "labels.jsonl", crop=(10, 12), workers=0, progress=False)
+    ds = PackedDataset(tmp_path / "out")
+    loader = make_loader(ds, 4, num_workers=0, order="sequential", fields=["source", "emb", "tags"])
+    batches = list(CUDAPrefetcher(loader, (0.0,) * 3, (255.0,) * 3, device="cpu"))
+    first = batches[0]
+    assert list(first) == ["image", "label", "source", "emb", "tags"]
+    assert first["image"].dtype == torch.float32 and first["image"].shape == (4, 3, 10, 12)
+    assert torch.allclose(first["image"][1], torch.from_numpy(image(1)).permute(2, 0, 1).float() / 255)
+    assert first["source"] == [f"img/{k:02d}.png" for k in range(4)] and first["emb"].shape == (4, 4)
+    assert [t.tolist() for t in first["tags"]] == [[0, 1], [], [2], [0, 1]]
