@@ -51,6 +51,8 @@ def append(
         raise PackError(f"--append: {e}") from None
     generation = 1 + max((int(m.group(1)) for s in old.shards if (m := _GENERATION.match(s.file))), default=0)
     staging = dst / f".append-{generation:04d}"
+    if (staging / MANIFEST_NAME).exists() and load_manifest(staging).source.get("root") != str(Path(src).resolve()):
+        shutil.rmtree(staging)  # staged from another source by an append that did not finish: start over
     if not (staging / MANIFEST_NAME).exists():
         _pack_staged(src, staging, old, labels=labels, label_kind=label_kind, workers=workers,
                      on_error=on_error, shard_size=shard_size, progress=progress, max_file_bytes=max_file_bytes)

@@ -28,7 +28,7 @@ from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
 from packer.verification import verify
 from packer.version import __version__
 from reader.format import ENCODINGS, STORAGES, FormatError, Manifest, load_manifest
-from reader.format.fields import FieldSpec
+from reader.format.fields import FieldSpec, printable
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -253,7 +253,7 @@ def show_command(dataset: Path, indices: tuple[int, ...], out: Path, sheet: bool
     for record in shown:
         fields = f" {json.dumps(record.fields)}" if record.fields else ""
         click.echo(f"{record.index}: {record.label if record.label is not None else '(no label)'} "
-                   f"{record.source or '(source not stored)'}{fields} -> {record.file}")
+                   f"{printable(record.source or '(source not stored)')}{fields} -> {record.file}")
 
 
 @main.command("verify")
