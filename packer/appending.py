@@ -22,7 +22,7 @@ from typing import Any, Mapping
 from packer.errors import PackError
 from packer.joining import reconciled_classes
 from packer.packing import pack
-from packer.transforms import TransformSpec
+from packer.transforms import DEFAULT_MAX_FILE_BYTES, TransformSpec
 from packer.version import __version__
 from reader.format import MANIFEST_NAME, FormatError, Manifest, ShardInfo, load_manifest
 from reader.format.durable import fsync_directory
@@ -40,7 +40,7 @@ def append(
     on_error: str = "fail",
     shard_size: int = 512 << 20,
     progress: bool = True,
-    max_file_bytes: int | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> Manifest:
     """Pack the images of ``src`` (a folder or a ``labels`` file, as for ``pack``) and add them to the
     finished dataset ``dst`` (module docstring); returns the new manifest."""
@@ -51,6 +51,8 @@ def append(
         raise PackError(f"--append: {e}") from None
     generation = 1 + max((int(m.group(1)) for s in old.shards if (m := _GENERATION.match(s.file))), default=0)
     staging = dst / f".append-{generation:04d}"
+    if (staging / MANIFEST_NAME).exists() and load_manifest(staging).source.get("root") != str(Path(src).resolve()):
+        shutil.rmtree(staging)  # staged from another source by an append that did not finish: start over
     if not (staging / MANIFEST_NAME).exists():
         _pack_staged(src, staging, old, labels=labels, label_kind=label_kind, workers=workers,
                      on_error=on_error, shard_size=shard_size, progress=progress, max_file_bytes=max_file_bytes)
@@ -70,12 +72,10 @@ def _pack_staged(src: str | os.PathLike, staging: Path, old: Manifest, **options
     if not old.has_sources:
         raise PackError(f"{staging.parent}: a format-version-1 dataset; repack it to append to it")
     spec = TransformSpec.from_description(old.transform)
-    max_file_bytes = options.pop("max_file_bytes")
     pack(src, staging, storage=old.storage, resize=spec.resize, crop=spec.crop, encoding=old.encoding,
          quality=old.jpeg_quality or 90, resampler=spec.resampler,
          max_pixels=old.transform.get("max_pixels", spec.max_pixels),
-         fields={field.name: field for field in old.fields}, base_classes=old.classes,
-         **({"max_file_bytes": max_file_bytes} if max_file_bytes else {}), **options)
+         fields={field.name: field for field in old.fields}, base_classes=old.classes, **options)
 
 
 def _moved_in(staging: Path, dst: Path, shard: ShardInfo, name: str) -> ShardInfo:

@@ -16,7 +16,7 @@ from packer.cleanup import Terminated
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, class_counts, describe_transform, info
 from packer.joining import join_datasets
-from packer.labels_file import declare_field
+from packer.labels_file import declare_field, field_declaration
 from packer.merging import merge_parts
 from packer.packing import ON_ERROR, pack
 from packer.partitions import Part, parse_part
@@ -28,7 +28,7 @@ from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
 from packer.verification import verify
 from packer.version import __version__
 from reader.format import ENCODINGS, STORAGES, FormatError, Manifest, load_manifest
-from reader.format.fields import FieldSpec
+from reader.format.fields import FieldSpec, printable
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -253,7 +253,7 @@ def show_command(dataset: Path, indices: tuple[int, ...], out: Path, sheet: bool
     for record in shown:
         fields = f" {json.dumps(record.fields)}" if record.fields else ""
         click.echo(f"{record.index}: {record.label if record.label is not None else '(no label)'} "
-                   f"{record.source or '(source not stored)'}{fields} -> {record.file}")
+                   f"{printable(record.source or '(source not stored)')}{fields} -> {record.file}")
 
 
 @main.command("verify")
@@ -312,7 +312,7 @@ def bench_command(dataset: Path, baseline: Path | None, orders: list[str], worke
         click.echo(bench.format_table(results))
 
 
-_APPEND_TAKES_DST_S = ("fields", "storage", "resize", "crop", "encoding", "quality", "force", "max_pixels",
+_SET_BY_DST = ("fields", "storage", "resize", "crop", "encoding", "quality", "force", "max_pixels",
                        "partitions", "part", "ray_address", "resampler")
 
 
@@ -320,7 +320,7 @@ def _append_command(src: Path, dst: Path, labels: Path | None, label_kind: str, 
                     on_error: str, shard_size: int, max_file_bytes: int, quiet: bool) -> None:
     """``pack --append``: refuse options that would change how DST is packed, then append."""
     ctx = click.get_current_context()
-    given = [name for name in _APPEND_TAKES_DST_S
+    given = [name for name in _SET_BY_DST
              if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
     if given:
         option = next(p for p in ctx.command.params if p.name == given[0]).opts[0]
@@ -355,7 +355,8 @@ def _print_info(summary: DatasetInfo) -> None:
         ("dataset", summary.path),
         ("records", f"{summary.records} in {len(summary.classes)} classes ({classes})" if summary.labelled
          else f"{summary.records}, unlabelled"),
-        ("fields", ", ".join(f"{f['name']}:{f['type']}" for f in summary.fields) or "none"),
+        ("fields", "; ".join(field_declaration(FieldSpec.from_json(f, summary.path)) for f in summary.fields)
+         or "none"),
         ("shards", f"{summary.shards} {summary.storage} files, {_megabytes(summary.bytes_on_disk)} on disk"),
         ("encoding", encoding),
         ("shape", "variable (no crop)" if summary.shape is None else "x".join(map(str, summary.shape))),

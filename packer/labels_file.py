@@ -2,8 +2,9 @@
 
 CSV: one row per image. Without a header, exactly ``path,label``. With a header (its first cell is
 ``path``), the columns are ``path``, optionally ``label``, and any others, each one field. A CSV cell
-of a list type (``labels``, ``vector``, ``boxes``) is a JSON array (``"[0.5, 1.5]"``); other cells are
-text, read as an integer or a number when the field is one.
+of a list type (``labels``, ``vector``, ``boxes``) is a JSON array (``"[0.5, 1.5]"``), and a column
+whose every cell is one is inferred as a list type; other cells are text, read as an integer or a
+number when the field is one.
 
 JSON Lines (a file ending in ``.jsonl``): one JSON object per line, ``{"path": ..., "label": ...,
 <field>: <value>, ...}``; ``label`` may be left out of every line (a dataset without classes).
@@ -57,6 +58,18 @@ def declare_field(text: str) -> FieldSpec:
         raise PackError(f"field declaration {text!r}: {e}") from None
 
 
+def field_declaration(spec: FieldSpec, most_classes: int = 5) -> str:
+    """``spec`` as ``declare_field`` reads it (``emb:vector:512``, ``tags:labels:cat,dog``), for people:
+    a label field's classes past ``most_classes`` are shortened to ``,...``."""
+    declaration = f"{spec.name}:{spec.type}"
+    if spec.length is not None:
+        return f"{declaration}:{spec.length}"
+    if spec.classes:
+        more = ",..." if len(spec.classes) > most_classes else ""
+        return f"{declaration}:{','.join(spec.classes[:most_classes])}{more}"
+    return declaration
+
+
 def read_label_rows(path: Path) -> tuple[list[LabelRow], list[str]]:
     """The rows of a CSV or JSON Lines labels file, and its field names in file order."""
     try:
@@ -80,7 +93,7 @@ def field_specs(
     rows: list[LabelRow], names: list[str], declared: Mapping[str, FieldSpec], labels_path: Path
 ) -> list[FieldSpec]:
     """The schema: each field declared or inferred from its values (text cells of a CSV are read as
-    integers or numbers when all of them are)."""
+    JSON lists when all of them are, else as integers or numbers where they are)."""
     unknown = sorted(set(declared) - set(names))
     if unknown:
         raise PackError(f"{labels_path}: field {unknown[0]!r} is declared but the labels file has no such "
@@ -92,7 +105,7 @@ def field_specs(
             continue
         values = [row.values[name] for row in rows if name in row.values]
         try:
-            specs.append(infer_spec(name, [_number_or_text(v) for v in values]))
+            specs.append(infer_spec(name, _cell_values(values)))
         except ValueError as e:
             raise PackError(f"{labels_path}: {e} (e.g. --field {name}:TYPE)") from None
     return specs
@@ -169,6 +182,26 @@ def _check_path(row: LabelRow, labels_path: Path) -> None:
         raise PackError(f"{labels_path}, line {row.line}: path {row.path!r} leaves SRC; paths stay inside it")
     if row.label == "":
         raise PackError(f"{labels_path}, line {row.line}: empty label for {row.path!r}")
+
+
+def _cell_values(values: list[Any]) -> list[Any]:
+    """A column's values for type inference: a CSV column whose every cell is a JSON list as those
+    lists (a list type), else each cell as an int or a float where it is one."""
+    lists = [_json_list(value) for value in values]
+    if lists and all(parsed is not None for parsed in lists):
+        return lists
+    return [_number_or_text(value) for value in values]
+
+
+def _json_list(value: Any) -> list | None:
+    """A CSV cell holding a JSON list, parsed; None for anything else."""
+    if not isinstance(value, str) or not value.startswith("["):
+        return None
+    try:
+        parsed = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    return parsed if isinstance(parsed, list) else None
 
 
 def _number_or_text(value: Any) -> Any:

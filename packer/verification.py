@@ -29,7 +29,7 @@ from reader.format import (
     load_manifest,
     table_problems,
 )
-from reader.format.fields import SOURCE, Column
+from reader.format.fields import SOURCE, Column, printable
 from reader.format.records import OUTSIDE_THE_FILE
 from reader.format.shard_files import checked_shard, describe_file_type, fd_path, open_checked
 from reader.format.shard_tables import load_shard_columns
@@ -200,7 +200,7 @@ def _report_records(
     """One problem line per bad record (the first few, with its source path where the shard stores
     it), then a count of the rest."""
     for index in indices[:MAX_PROBLEMS_PER_CHECK].tolist():
-        source = f" ({sources.value(index)})" if sources is not None else ""
+        source = f" ({printable(sources.value(index))})" if sources is not None else ""
         report.problems.append(f"{name}: record {index}{source}: {what}")
     if len(indices) > MAX_PROBLEMS_PER_CHECK:
         report.problems.append(f"{name}: ... and {len(indices) - MAX_PROBLEMS_PER_CHECK} more records: {what}")

@@ -128,14 +128,15 @@ class PackedDataset(Dataset):
         packing code gave it); None for a format-version-1 dataset, which does not store it."""
         if not self.manifest.has_sources:
             return None
-        return self.record_fields.value(int(self._checked_indices([index])[0]), SOURCE)
+        return self.record_fields.columns([SOURCE])[SOURCE].value(int(self._checked_indices([index])[0]))
 
     def fields(self, index: int) -> dict[str, Any]:
         """Record ``index``'s extra fields as plain Python values (``reader.format.fields``)."""
         if not self.manifest.fields:
             return {}
         record = int(self._checked_indices([index])[0])
-        return {field.name: self.record_fields.value(record, field.name) for field in self.manifest.fields}
+        columns = self.record_fields.columns([field.name for field in self.manifest.fields])
+        return {name: column.value(record) for name, column in columns.items()}
 
     def block_starts(self) -> np.ndarray:
         """The index of every block's first record: the layout the sampler shuffles and read-ahead reads."""

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from reader import torch_hooks
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, received_labels
 from reader.batch_stream import BatchStream
 from reader.packed_view import PackedView, as_view
 from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
+from reader.torch_hooks import HookedDataLoader
 
 MAX_DEFAULT_WORKERS = 8
 # How far ahead of the workers the main process advises blocks, in windows of ``buffer_blocks``
@@ -45,7 +45,7 @@ def default_num_workers() -> int:
 Batch = tuple  # (images: uint8 [B,3,H,W] or B x [3,H,W], labels: int64 [B], *extras with first dim B)
 
 
-class PackedLoader(DataLoader):
+class PackedLoader(HookedDataLoader):
     """A DataLoader that counts the batches it yields, so that ``state_dict()`` can resume mid-epoch.
 
     ``set_epoch(e)`` selects the epoch's order (call it before each epoch); ``state_dict()`` after
@@ -91,13 +91,14 @@ class PackedLoader(DataLoader):
         """The dataset given to ``make_loader`` (``dataset`` is the ``PackedView`` the workers read)."""
         return self.dataset.source
 
-    @property
-    def _index_sampler(self) -> "_EndlessBatches | BatchStream":
-        # DataLoader's private hook for what its iterators draw index batches from: the endless stream,
-        # so that workers prefetch across epochs (the class docstring; ``reader.torch_hooks``).
-        if torch_hooks.hooks.cross_epoch_iterator:
-            return _EndlessBatches(self.batch_sampler)
-        return self.batch_sampler
+    def index_batches(self) -> "_EndlessBatches":
+        """The endless stream, so that workers prefetch across epochs (the class docstring)."""
+        return _EndlessBatches(self.batch_sampler)
+
+    def batch_receiver(self) -> Callable[[Batch], Batch]:
+        """Shows every batch received from a worker to the ``SlotReleaser`` (no slot stays marked as in
+        use, even for batches dropped when an epoch is cut short)."""
+        return functools.partial(_received, self._releaser)
 
     def set_epoch(self, epoch: int) -> None:
         self.shard_sampler.set_epoch(epoch)
@@ -156,18 +157,11 @@ class PackedLoader(DataLoader):
     def _stream_at(self, epoch: int, start: int) -> Iterator[Batch]:
         """An iterator whose next batch is the first of the pass ``(epoch, start)``: the live worker
         iterator when it is already there, else a new or reset one (which drops what it prefetched)."""
-        reusable = torch_hooks.hooks.cross_epoch_iterator and self._stream_next == (epoch, start)
-        if reusable and self._iterator is not None:
-            return self._iterator
+        live = self.live_iterator()
+        if live is not None and self._stream_next == (epoch, start):
+            return live
         self.batch_sampler.epoch_step = int(self._last_complete_epoch != epoch)
         return super().__iter__()
-
-    def _get_iterator(self) -> object:
-        releasing = releasing_iterator_class()
-        if self.num_workers == 0 or releasing is None:
-            return super()._get_iterator()
-        self.check_worker_number_rationality()
-        return releasing(self, self._releaser)
 
 
 class _EndlessBatches:
@@ -183,33 +177,8 @@ class _EndlessBatches:
         return len(self.stream)
 
 
-def releasing_iterator_class() -> type | None:
-    """torch's multi-process DataLoader iterator, extended to show every batch it receives from a
-    worker to the ``SlotReleaser``, including the batches the DataLoader drops when an epoch is cut
-    short, so that no slot stays marked as in use.
-
-    This overrides a private DataLoader hook (``reader.torch_hooks``). Where this torch lacks it:
-    None, the DataLoader's own iterator is used, slots are never marked received, and workers fall
-    back to fresh memory per batch: slower, the same batches.
-    """
-    base = torch_hooks.hooks.multiprocessing_iterator
-    return None if base is None else _releasing_subclass(base)
-
-
-@functools.cache
-def _releasing_subclass(base: type) -> type:
-    class ReleasingIterator(base):
-        def __init__(self, loader: PackedLoader, releaser: SlotReleaser) -> None:
-            self._releaser = releaser
-            super().__init__(loader)
-
-        def _try_get_data(self, *args, **kwargs):
-            success, data = super()._try_get_data(*args, **kwargs)
-            if success:
-                data = (data[0], self._releaser.receive(data[1]), *data[2:])
-            return success, data
-
-    return ReleasingIterator
+def _received(releaser: SlotReleaser, data: Batch) -> Batch:
+    return (data[0], releaser.receive(data[1]), *data[2:])
 
 
 def _pinned(images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:

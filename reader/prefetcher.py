@@ -21,10 +21,10 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from reader.augment import BatchAugment, Images, augment_from, seeded_generator
+from reader.augment import BatchAugment, augment_from, seeded_generator
 from reader.ranks import rank_and_world_size
 
-Batch = tuple[torch.Tensor, ...]
+Batch = tuple[torch.Tensor, ...] | dict[str, Any]  # a mapping with make_loader(fields=...)
 
 
 def default_device(device: torch.device | str | None) -> torch.device:
@@ -159,23 +159,30 @@ class CUDAPrefetcher:
         """Enqueue the copy and augmentation of ``batch`` on the side stream (CPU: compute it now)."""
         if batch is None:
             return None
-        if isinstance(batch, dict):
-            raise TypeError("CUDAPrefetcher takes (images, labels, ...) batches, and this loader yields mappings "
-                            "(make_loader(fields=...)): prefetch a loader without fields, or move the fields to "
-                            "the device in the loop")
-        images, labels, *extras = batch
+        mapping = isinstance(batch, dict)  # make_loader(fields=...): {"image", "label", <fields>}
+        if mapping:
+            images, labels, extras = batch["image"], batch["label"], []
+        else:
+            images, labels, *extras = batch
         context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with context:
             images = self._to_device(images)
             labels = self._to_device(labels).to(torch.int64)
-            extras = [self._to_device(extra) for extra in extras]
             generator = seeded_generator(self.device, self.seed, epoch, self.rank, number)
-            return (self.augment(images, generator), labels, *extras)
+            images = self.augment(images, generator)
+            if mapping:
+                fields = {name: self._to_device(value) for name, value in batch.items()
+                          if name not in ("image", "label")}
+                return {"image": images, "label": labels, **fields}
+            return (images, labels, *(self._to_device(extra) for extra in extras))
 
-    def _to_device(self, tensors: Images) -> Images:
-        """An asynchronous copy to the device (from pinned memory: unpinned tensors are pinned first)."""
+    def _to_device(self, tensors: Any) -> Any:
+        """An asynchronous copy to the device (from pinned memory: unpinned tensors are pinned first);
+        lists are copied item by item, and what is not a tensor (a field's text) stays as it is."""
         if isinstance(tensors, (list, tuple)):
             return [self._to_device(tensor) for tensor in tensors]
+        if not isinstance(tensors, torch.Tensor):
+            return tensors
         if self.stream is not None and not tensors.is_pinned():
             tensors = tensors.pin_memory()
         return tensors.to(self.device, non_blocking=True)
@@ -185,6 +192,18 @@ class CUDAPrefetcher:
         if self.stream is not None:
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_stream(self.stream)
-            for tensor in batch:
+            for tensor in _tensors(batch):
                 tensor.record_stream(consumer)
         return batch
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a batch: a tuple, a mapping, and lists of tensors within them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)

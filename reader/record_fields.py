@@ -20,40 +20,42 @@ from reader.format.shard_tables import load_shard_columns
 
 
 class RecordFields:
-    """The columns of every record of one dataset, loaded lazily."""
+    """The columns of every record of one dataset, each loaded on its first use (the source column with
+    the first of them), so that asking for a source path never reads a large vector field."""
 
     def __init__(self, root: Path, manifest: Manifest) -> None:
         self.root = root
         self.manifest = manifest
         self.names = [SOURCE, *(field.name for field in manifest.fields)]
-        self._columns: dict[str, Column] | None = None
+        self._columns: dict[str, Column] = {}
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_columns": None}  # a worker reads them again if it needs them
+        return {**self.__dict__, "_columns": {}}  # a worker reads them again if it needs them
 
-    def columns(self) -> dict[str, Column]:
-        if self._columns is None:
+    def columns(self, names: Sequence[str]) -> dict[str, Column]:
+        """The columns ``names`` (known names: ``check_names``), read from every shard on first use."""
+        missing = [name for name in names if name not in self._columns]
+        if missing:
             if not self.manifest.has_sources:
                 raise FormatError(f"{self.root}: a format-version-1 dataset stores no source paths nor "
                                   "fields (repack it with this packer to get them)")
-            per_shard = [load_shard_columns(self.root, self.manifest.storage, shard, self.manifest.fields)
+            fields = [field for field in self.manifest.fields if field.name in missing]
+            per_shard = [load_shard_columns(self.root, self.manifest.storage, shard, fields)
                          for shard in self.manifest.shards if shard.records]
-            self._columns = {name: Column.concatenate([shard[name] for shard in per_shard])
-                             for name in self.names} if per_shard else {}
-        return self._columns
+            for name in (SOURCE, *(field.name for field in fields)):
+                if per_shard:
+                    self._columns.setdefault(name, Column.concatenate([shard[name] for shard in per_shard]))
+        return {name: self._columns[name] for name in names}
 
     def check_names(self, names: Sequence[str]) -> None:
         unknown = [name for name in names if name not in self.names]
         if unknown:
             raise KeyError(f"{self.root}: no field {unknown[0]!r} (this dataset has: {', '.join(self.names)})")
 
-    def value(self, index: int, name: str) -> Any:
-        return self.columns()[name].value(index)
-
     def batch(self, indices: np.ndarray, names: Sequence[str]) -> dict[str, Any]:
         """The named fields of the records at ``indices``, batched (module docstring)."""
         self.check_names(names)
-        columns = self.columns()
+        columns = self.columns(names)
         return {name: batch_of(columns[name], indices) for name in names}
 
 

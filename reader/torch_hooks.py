@@ -2,8 +2,9 @@
 
 torch does not promise these names; they buy speed, never correctness. Should a torch release rename
 or remove one, ``detect()`` finds it missing and the code that uses it takes its fallback: the same
-batches, slower. Nothing else in the project touches a private torch name (tests/test_torch_hooks.py
-hides each hook in turn and reads the same batches).
+batches, slower. Nothing else in the project touches a private torch name: ``reader.batch_memory``
+calls ``storage_references`` and ``shared_uint8``, and ``reader.loader`` subclasses ``HookedDataLoader``
+(tests/test_torch_hooks.py hides each hook in turn and reads the same batches).
 
 - ``torch._C._storage_Use_Count`` (of a storage's ``_cdata``): knowing when no tensor uses a batch buffer
   any more, so that it is reused (``reader.batch_memory``). Fallback: buffers count as always in use,
@@ -21,8 +22,9 @@ Tested with torch 2.13 (``setup.cfg`` pins that range).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import DataLoader
@@ -76,3 +78,58 @@ def shared_uint8(nbytes: int) -> torch.Tensor:
     if hooks.new_shared_storage is None:
         return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
     return torch.empty(0, dtype=torch.uint8).set_(hooks.new_shared_storage(nbytes))
+
+
+class HookedDataLoader(DataLoader):
+    """A ``DataLoader`` that reaches torch's private iterator hooks through public-named methods, each
+    with its fallback; ``reader.loader.PackedLoader`` subclasses it and names nothing private.
+
+    - ``index_batches()``: what the loader's iterators draw index batches from (the ``_index_sampler``
+      hook; without it, the batch sampler as DataLoader has it);
+    - ``batch_receiver()``: a function applied to every batch received from a worker, also to those
+      the DataLoader drops when an epoch is cut short (an override of ``_try_get_data``; without it,
+      never called);
+    - ``live_iterator()``: the persistent worker iterator of the last loop, to be continued (the
+      ``_iterator`` attribute; None without the hooks that make continuing it safe).
+    """
+
+    @property
+    def _index_sampler(self) -> Any:
+        return self.index_batches() if hooks.cross_epoch_iterator else super()._index_sampler
+
+    def index_batches(self) -> Any:
+        return super()._index_sampler
+
+    def batch_receiver(self) -> Callable[[Any], Any] | None:
+        return None
+
+    def live_iterator(self) -> Any:
+        return self._iterator if hooks.cross_epoch_iterator else None
+
+    def _get_iterator(self) -> Any:
+        receiver, receiving = self.batch_receiver(), receiving_iterator_class()
+        if self.num_workers == 0 or receiver is None or receiving is None:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        return receiving(self, receiver)
+
+
+def receiving_iterator_class() -> type | None:
+    """torch's multi-process iterator with every received batch passed through a receiver function,
+    or None where this torch lacks the hook."""
+    base = hooks.multiprocessing_iterator
+    return None if base is None else _receiving_subclass(base)
+
+
+@functools.cache
+def _receiving_subclass(base: type) -> type:
+    class ReceivingIterator(base):
+        def __init__(self, loader: DataLoader, receiver: Callable[[Any], Any]) -> None:
+            self._receiver = receiver  # not the loader: the loader holds this iterator, no cycle
+            super().__init__(loader)
+
+        def _try_get_data(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+            success, data = super()._try_get_data(*args, **kwargs)
+            return success, self._receiver(data) if success else data
+
+    return ReceivingIterator

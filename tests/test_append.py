@@ -129,3 +129,17 @@ def test_a_reader_racing_an_append_sees_the_old_or_the_new_dataset(tmp_path: Pat
     out, err = reader.communicate(timeout=90)
     assert reader.returncode == 0, err
     assert out.strip() in ("[4, 10]", "[10]")
+
+
+def test_a_staged_append_from_another_source_is_started_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    packer.pack(folder(tmp_path / "a", {"cat": 2}, seed=1), tmp_path / "ds", workers=0, progress=False)
+
+    def crash(source, target):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(packer.appending.os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):  # staged, not moved in
+        packer.append(folder(tmp_path / "b", {"dog": 2}, seed=2), tmp_path / "ds", workers=0, progress=False)
+    monkeypatch.undo()
+    manifest = packer.append(folder(tmp_path / "c", {"fox": 1}, seed=3), tmp_path / "ds", workers=0, progress=False)
+    assert manifest.classes == ["cat", "fox"] and PackedDataset(tmp_path / "ds").source(2) == "fox/3-0.png"

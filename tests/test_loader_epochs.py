@@ -11,7 +11,8 @@ import torch
 from reader_helpers import SMALL_RAW_COUNT as COUNT
 
 from reader import PackedDataset, batch_memory, make_loader
-from reader.loader import PackedLoader, releasing_iterator_class
+from reader.loader import PackedLoader
+from reader.torch_hooks import receiving_iterator_class
 
 BATCH = 4
 
@@ -174,7 +175,7 @@ def test_workers_read_the_next_epoch_before_this_one_ends(raw_path, tmp_path):
 def test_loops_without_set_epoch_reuse_the_stream(raw_path, monkeypatch):
     """After one loop shows that the epoch repeats, later loops continue the workers' stream."""
     resets = []
-    iterator_class = releasing_iterator_class()
+    iterator_class = receiving_iterator_class()
     original = iterator_class._reset
 
     def counting_reset(self, loader, first_iter=False):

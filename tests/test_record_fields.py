@@ -13,8 +13,8 @@ from PIL import Image
 
 import packer
 from packer.errors import PackError
-from reader import PackedDataset, make_loader
-from reader.format import FormatError, load_manifest
+from reader import CUDAPrefetcher, PackedDataset, make_loader
+from reader.format import FormatError, container, load_manifest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 COUNT = 7
@@ -197,3 +197,32 @@ def test_info_lists_classes_with_counts(tmp_path: Path) -> None:
     src = make_source(tmp_path)
     packer.pack(src, tmp_path / "out", labels=src / "labels.jsonl", workers=0, progress=False)
     assert packer.class_counts(tmp_path / "out") == {"cat": 3, "dog": 2, "fish": 2}
+
+
+def test_the_prefetcher_moves_mapping_batches_with_their_fields(tmp_path: Path) -> None:
+    src = make_source(tmp_path)
+    packer.pack(src, tmp_path / "out", labels=src / "labels.jsonl", crop=(10, 12), workers=0, progress=False)
+    ds = PackedDataset(tmp_path / "out")
+    loader = make_loader(ds, 4, num_workers=0, order="sequential", fields=["source", "emb", "tags"])
+    batches = list(CUDAPrefetcher(loader, (0.0,) * 3, (255.0,) * 3, device="cpu"))
+    first = batches[0]
+    assert list(first) == ["image", "label", "source", "emb", "tags"]
+    assert first["image"].dtype == torch.float32 and first["image"].shape == (4, 3, 10, 12)
+    assert torch.allclose(first["image"][1], torch.from_numpy(image(1)).permute(2, 0, 1).float() / 255)
+    assert first["source"] == [f"img/{k:02d}.png" for k in range(4)] and first["emb"].shape == (4, 4)
+    assert [t.tolist() for t in first["tags"]] == [[0, 1], [], [2], [0, 1]]
+
+
+def test_a_source_path_with_control_characters_stays_on_one_line(tmp_path: Path) -> None:
+    items = [{"image": image(k), "label": 0, "source": f"evil\n{k}\x1b[31m.png"} for k in range(3)]
+    packer.pack_items(items, tmp_path / "out", storage="hdf5", encoding="jpeg", workers=0, progress=False)
+    manifest = load_manifest(tmp_path / "out")
+    shard = tmp_path / "out" / manifest.shards[0].file
+    offset = int(container(manifest.storage).read_table(shard, shard)[1]["offset"])
+    with open(shard, "r+b") as f:  # record 1's JPEG no longer decodes
+        f.seek(offset)
+        f.write(b"\0" * 64)
+    problems = packer.verify(tmp_path / "out", deep=True, progress=False).problems
+    assert any(p.startswith(f"{shard.name}: record 1 (evil\\n1\\x1b[31m.png): JPEG does not decode") for p in problems)
+    assert all("\n" not in p and "\x1b" not in p for p in problems)
+    assert PackedDataset(tmp_path / "out").source(1) == "evil\n1\x1b[31m.png"  # stored as given

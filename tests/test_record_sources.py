@@ -2,20 +2,25 @@
 named by line, a record named by its source in errors, fields through Subset / ConcatDataset loaders."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from PIL import Image
 from reader_helpers import chw, make_images
 from torch.utils.data import ConcatDataset, Subset
 
 import packer
+from packer.cli import main
 from packer.errors import PackError
+from packer.labels_file import declare_field
 from reader import PackedDataset, make_loader
-from reader.format import DatasetWriter, FormatError
+from reader.format import DatasetWriter, FormatError, load_manifest
 from reader.format.fields import FieldSpec
 
 
@@ -137,3 +142,38 @@ def test_the_writer_refuses_a_record_whose_fields_do_not_match_the_schema(tmp_pa
     with pytest.raises(ValueError, match=r"record 'x.png': fields id do not match the schema \(id\)"):
         writer.add(np.zeros(3, np.uint8).tobytes(), 0, 1, 1, source="x.png", fields={})
     writer.abort()
+
+
+def test_info_shows_each_field_as_its_declaration(tmp_path: Path) -> None:
+    """``packer info`` lists the schema in ``--field`` syntax, which declares the same fields again.
+    A CSV column of JSON lists is inferred as a list type (here a vector: numbers, not all integers)."""
+    src = _csv_source(tmp_path, ["path,label,emb,tags,n"] + [f'{k}.png,a,"[{k}.5, 1]","[""x""]",{k}' for k in range(4)])
+    result = CliRunner().invoke(main, ["pack", str(src), str(tmp_path / "out"), "--labels", str(src / "labels.csv"),
+                                       "--workers", "0", "--field", "tags:labels:x,y"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["info", str(tmp_path / "out")])
+    line = next(line for line in result.output.splitlines() if line.startswith("fields"))
+    assert line.split(None, 1)[1] == "emb:vector:2; tags:labels:x,y; n:int"
+    declared = [declare_field(text) for text in line.split(None, 1)[1].split("; ")]
+    assert declared == load_manifest(tmp_path / "out").fields
+
+
+def test_a_source_path_is_read_without_the_fields_columns(tmp_path: Path) -> None:
+    """Columns load one by one on first use: a damaged field column fails only what reads that field,
+    with a ``FormatError`` naming the shard and the column."""
+    writer = DatasetWriter(tmp_path / "out", "hdf5", 1 << 20, fields=[FieldSpec("emb", "vector", length=2)])
+    for k, image in enumerate(make_images(2, [(3, 2)])):
+        writer.add(chw(image).tobytes(), 0, 3, 2, source=f"s/{k}.png", fields={"emb": [k, 0.5]})
+    writer.finish(encoding="raw", classes=["a"], shape=[3, 3, 2], transform={}, source={"kind": "test"},
+                  tool_version="test")
+    shard = tmp_path / "out" / "shard-00000.h5"
+    with h5py.File(shard, "r+") as f:
+        del f["arrays/field.emb"]
+        f["arrays/field.emb"] = np.zeros((2, 2), np.int64)
+    manifest = load_manifest(tmp_path / "out")  # the shard's new size, so that it opens
+    manifest.shards = [dataclasses.replace(manifest.shards[0], bytes=shard.stat().st_size)]
+    manifest.write(tmp_path / "out")
+    ds = PackedDataset(tmp_path / "out")
+    assert [ds.source(k) for k in range(2)] == ["s/0.png", "s/1.png"]
+    with pytest.raises(FormatError, match=rf"{shard}: column field.emb has dtype int64"):
+        ds.fields(0)

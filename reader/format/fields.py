@@ -278,6 +278,12 @@ def _infer(name: str, present: list[Any]) -> FieldSpec:
                      f"declare it as one of {', '.join(FIELD_TYPES)}")
 
 
+def printable(text: str) -> str:
+    """``text`` for a one-line message: characters that are not printable (a newline, an escape
+    sequence a hostile dataset stored as a source path) shown as Python escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _with_offsets(prefix: str, flat: np.ndarray, lengths: list[int]) -> dict[str, np.ndarray]:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

@@ -8,7 +8,7 @@ import numpy as np
 
 from reader.format import registry
 from reader.format.errors import FormatError
-from reader.format.fields import SOURCE, Column, FieldSpec, column_names, read_record_columns
+from reader.format.fields import SOURCE, Column, FieldSpec, column_names, printable, read_record_columns
 from reader.format.manifest import ShardInfo, file_checksum
 from reader.format.records import table_problems
 from reader.format.shard_files import FileIdentity, checked_shard, fd_path
@@ -44,7 +44,7 @@ def record_source(root: Path, storage: str, shard: ShardInfo, record: int) -> st
     """The source path of record ``record`` of a shard, for an error message about it: None when the
     shard stores none (format version 1) or its source column cannot be read."""
     try:
-        return load_shard_columns(root, storage, shard, [])[SOURCE].value(record)
+        return printable(load_shard_columns(root, storage, shard, [])[SOURCE].value(record))
     except FormatError:
         return None
 
