@@ -1,9 +1,10 @@
 """What a shard container is: the base classes every container (LMDB, HDF5, ...) implements.
 
 A ``Container`` owns everything about one kind of shard file: its file suffix, the names of its
-temporary files, its ``ShardWriter``, its record-table reader and its own per-record read (used by
+temporary files, its ``ShardWriter``, its record-table reader, its reader of the named arrays stored
+beside the table (the record columns of ``reader.format.fields``) and its own per-record read (used by
 ``packer verify --deep`` to check the record table's offsets against the container's API). The
-containers are registered in ``reader.format.containers``; nothing else knows their details.
+containers are registered in ``reader.format.registry``; nothing else knows their details.
 
 A writer takes records in order and produces a complete shard only in ``finish()``: until then the
 data lives under a temporary name, so a crash never leaves a file that looks like a finished shard.

@@ -1,0 +1,82 @@
+"""A third container, written only to show that adding one is this module plus one registry line.
+
+``test_new_container.py`` copies it into a copy of ``reader/format`` and adds it to ``registry.py``.
+Layout of a ``.flat`` shard: every payload back to back from byte 0, then an ``.npz`` archive holding
+``table`` and the named arrays (``array.NAME``), then the archive's length as 8 little-endian bytes.
+"""
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from reader.format.container import Container, ShardWriter
+from reader.format.errors import FormatError
+from reader.format.records import check_array_layout, check_table_layout
+
+
+class FlatShardWriter(ShardWriter):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._file = open(self.tmp_path, "wb")
+
+    def _write_payload(self, index: int, payload: bytes | memoryview) -> None:
+        self._file.write(payload)
+
+    def _finish_payloads(self, table: np.ndarray) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(table["nbytes"][:-1])]).astype(np.uint64)
+
+    def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        buf = io.BytesIO()
+        np.savez(buf, table=table, **{f"array.{name}": array for name, array in arrays.items()})
+        self._file.write(buf.getvalue() + len(buf.getvalue()).to_bytes(8, "little"))
+        self._close()
+
+    def _close(self) -> None:
+        self._file.close()
+
+
+def _archive(path: str | os.PathLike, shown: Path) -> np.lib.npyio.NpzFile:
+    with open(path, "rb") as f:
+        f.seek(-8, os.SEEK_END)
+        length = int.from_bytes(f.read(8), "little")
+        f.seek(-8 - length, os.SEEK_END)
+        try:
+            return np.load(io.BytesIO(f.read(length)), allow_pickle=False)
+        except ValueError as e:
+            raise FormatError(f"{shown}: damaged flat shard ({e})") from None
+
+
+class FlatContainer(Container):
+    storage = "flat"
+    suffix = ".flat"
+
+    def writer(self, path: Path) -> ShardWriter:
+        return FlatShardWriter(path)
+
+    def read_table(self, path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
+        table = _archive(path, shown)["table"]
+        check_table_layout(table.dtype, table.shape, shown, records)
+        return table
+
+    def read_arrays(
+        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str]
+    ) -> dict[str, np.ndarray]:
+        archive = _archive(path, shown)
+        arrays = {}
+        for name in names:
+            if f"array.{name}" not in archive.files:
+                raise FormatError(f"{shown}: flat shard has no array {name!r}")
+            arrays[name] = archive[f"array.{name}"]
+            check_array_layout(arrays[name].dtype, arrays[name].shape, shown, f"array {name}")
+        return arrays
+
+    def read_records(
+        self, path: str | os.PathLike, file_size: int, shown: Path, table: np.ndarray
+    ) -> Iterator[bytes | None]:
+        with open(path, "rb") as f:
+            for offset, nbytes in zip(table["offset"].tolist(), table["nbytes"].tolist()):
+                yield os.pread(f.fileno(), nbytes, offset)
