@@ -200,3 +200,25 @@ def test_a_label_field_holding_no_class_is_refused(tmp_path: Path, classes, stor
         f["arrays/field.tags.values"][0] = stored
     with pytest.raises(FormatError, match=rf"{shard}: column field.tags {message}"):
         PackedDataset(tmp_path / "out").fields(0)
+
+
+def test_fields_follow_a_resumed_loader(two_datasets: list[Path]) -> None:
+    """After ``load_state_dict`` the fields still belong to the images they come with."""
+    ds = PackedDataset(two_datasets[0])
+
+    def loader():
+        made = make_loader(ds, 1, num_workers=0, order="random", seed=3, fields=["id"])
+        made.set_epoch(2)
+        return made
+
+    whole = [(b["image"][0].clone(), b["id"].item()) for b in loader()]
+    first = loader()
+    batches = iter(first)
+    head = [next(batches)["id"].item() for _ in range(2)]
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    tail = [(b["image"][0].clone(), b["id"].item()) for b in resumed]
+    assert head + [i for _, i in tail] == [i for _, i in whole]
+    assert sorted(i for _, i in whole) == list(range(len(ds)))
+    for image, i in whole + tail:
+        assert torch.equal(image, ds[i][0])  # ids are the record numbers here
