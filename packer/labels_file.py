@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from packer.errors import PackError
-from reader.format.fields import FIELD_TYPES, FieldSpec, infer_spec
+from reader.format.fields import FIELD_TYPES, FieldSpec, check_field_name, infer_spec
 
 _HEADER = ["path", "label"]
 
@@ -100,6 +100,10 @@ def field_specs(
                         f"column or key (it has: {', '.join(names) or 'none'})")
     specs = []
     for name in names:
+        try:
+            check_field_name(name)
+        except ValueError as e:
+            raise PackError(f"{labels_path}: column or key {name!r} cannot be a field: {e}") from None
         if name in declared:
             specs.append(declared[name])
             continue

@@ -58,6 +58,8 @@ def _csv_source(tmp_path: Path, lines: list[str]) -> Path:
      r"labels.csv, line 4: field 'box': '\[1' is not a JSON list"),
     (["0.png,a,1", "1.png,b,2"], {},
      r"labels.csv, line 1: expected 2 columns \(path,label\), found 3; a CSV with more columns needs a header"),
+    (["path,label,source", "0.png,a,x", "1.png,b,y"], {},
+     r"labels.csv: column or key 'source' cannot be a field: field name 'source' is not allowed"),
     (["path,label,id", "0.png,a,1", "1.png,b"], {},
      r"labels.csv, line 3: expected 3 columns \(path,label,id\), found 2"),
 ])
@@ -177,3 +179,24 @@ def test_a_source_path_is_read_without_the_fields_columns(tmp_path: Path) -> Non
     assert [ds.source(k) for k in range(2)] == ["s/0.png", "s/1.png"]
     with pytest.raises(FormatError, match=rf"{shard}: column field.emb has dtype int64"):
         ds.fields(0)
+
+
+@pytest.mark.parametrize(("classes", "stored", "message"), [
+    (("x", "y"), 2, "holds 2, not a class of the field's 2"),
+    (("x", "y"), -1, "holds -1, not a class of the field's 2"),
+    (None, -3, "holds -3, not a non-negative label"),
+])
+def test_a_label_field_holding_no_class_is_refused(tmp_path: Path, classes, stored: int, message: str) -> None:
+    """A labels column is checked like the record table's labels: an id outside the field's classes
+    would otherwise be an IndexError, or silently the last class for -1."""
+    spec = FieldSpec("tags", "labels", classes=classes)
+    writer = DatasetWriter(tmp_path / "out", "hdf5", 1 << 20, fields=[spec])
+    image = make_images(1, [(3, 2)])[0]
+    writer.add(chw(image).tobytes(), 0, 3, 2, source="s/0.png", fields={"tags": [0, 1] if classes else [5]})
+    writer.finish(encoding="raw", classes=["a"], shape=[3, 3, 2], transform={}, source={"kind": "test"},
+                  tool_version="test")
+    shard = tmp_path / "out" / "shard-00000.h5"
+    with h5py.File(shard, "r+") as f:
+        f["arrays/field.tags.values"][0] = stored
+    with pytest.raises(FormatError, match=rf"{shard}: column field.tags {message}"):
+        PackedDataset(tmp_path / "out").fields(0)

@@ -35,6 +35,13 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _VARIABLE = {"str", "labels", "boxes"}
 
 
+def check_field_name(name: Any) -> None:
+    """``ValueError`` unless ``name`` may name a field: a short identifier-like name, not a batch key."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in RESERVED_NAMES:
+        raise ValueError(f"field name {name!r} is not allowed: use letters, digits, _ . - (not starting "
+                         f"with a digit, at most 64), and none of {', '.join(RESERVED_NAMES)}")
+
+
 @dataclass(frozen=True)
 class FieldSpec:
     """One field: its name, type, the ``length`` of a ``vector``, and the class names of a ``labels``
@@ -46,9 +53,7 @@ class FieldSpec:
     classes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not _NAME.fullmatch(self.name) or self.name in RESERVED_NAMES:
-            raise ValueError(f"field name {self.name!r} is not allowed: use letters, digits, _ . - (not starting "
-                             f"with a digit, at most 64), and none of {', '.join(RESERVED_NAMES)}")
+        check_field_name(self.name)
         if self.type not in FIELD_TYPES:
             raise ValueError(f"field {self.name!r}: type {self.type!r} is not one of {', '.join(FIELD_TYPES)}")
         if (self.type == "vector") != (self.length is not None):
@@ -144,7 +149,8 @@ class FieldSpec:
 
     def read_column(self, arrays: dict[str, np.ndarray], prefix: str, records: int, shown: object) -> Column:
         """The column stored under ``prefix`` for ``records`` records, checked (dtype, shape, offsets
-        within the values) so that a damaged shard is a ``FormatError`` naming ``shown``."""
+        within the values, label ids of a class) so that a damaged shard is a ``FormatError`` naming
+        ``shown``."""
         dtype = {"int": np.int64, "float": np.float64, "vector": np.float32, "str": np.uint8,
                  "labels": np.int64, "boxes": np.float32}[self.type]
         if self.type not in _VARIABLE:
@@ -161,6 +167,12 @@ class FieldSpec:
         if (offsets.dtype != np.int64 or offsets.shape != (records + 1,) or (offsets[:1] != 0).any()
                 or (np.diff(offsets) < 0).any() or offsets[-1] != len(values)):
             raise FormatError(f"{shown}: column {prefix} has damaged offsets")
+        if self.type == "labels" and len(values):
+            top = len(self.classes) if self.classes is not None else None
+            bad = (values < 0) | (values >= top) if top is not None else values < 0
+            if bad.any():
+                what = f"a class of the field's {top}" if top is not None else "a non-negative label"
+                raise FormatError(f"{shown}: column {prefix} holds {values[bad][0]}, not {what}")
         return Column(self, values, offsets)
 
 
