@@ -222,3 +222,11 @@ def test_fields_follow_a_resumed_loader(two_datasets: list[Path]) -> None:
     assert sorted(i for _, i in whole) == list(range(len(ds)))
     for image, i in whole + tail:
         assert torch.equal(image, ds[i][0])  # ids are the record numbers here
+
+
+@pytest.mark.parametrize(("declared", "expected"), [({}, [7, 8, 9, 10]), ({"id": "str"}, ["007", "008", "009", "010"])])
+def test_a_csv_column_of_integers_is_int_unless_declared_text(tmp_path: Path, declared: dict, expected: list) -> None:
+    src = _csv_source(tmp_path, ["path,id"] + [f"{k}.png,{7 + k:03d}" for k in range(4)])
+    packer.pack(src, tmp_path / "out", labels=src / "labels.csv", fields=declared, workers=0, progress=False)
+    ds = PackedDataset(tmp_path / "out")
+    assert [ds.fields(k)["id"] for k in range(4)] == expected
