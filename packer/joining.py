@@ -55,7 +55,8 @@ def join_datasets(
     check_destination(out, force)
     out.mkdir(parents=True, exist_ok=True)
     remove_own_files(out)
-    shards, linked = [], 0
+    shards: list[ShardInfo] = []
+    linked = 0
     for path, manifest in zip(paths, manifests):
         for shard in manifest.shards:
             name = shard_file_name(len(shards), manifest.storage)

@@ -251,7 +251,7 @@ def scan_labels_file(
     parse_values(rows, specs, labels_path)
     labelled = not rows or rows[0].label is not None
     if labelled:
-        classes, all_ids = _label_ids([(r.line, r.path, r.label) for r in rows], labels_path, label_kind)
+        classes, all_ids = _label_ids([(r.line, r.path, r.label or "") for r in rows], labels_path, label_kind)
     else:
         classes, all_ids = [], np.full(len(rows), -1, dtype=np.int64)
     paths: list[str] = []

@@ -136,7 +136,7 @@ class TransformSpec:
         return None
 
     @property
-    def pil_resize(self) -> int | tuple[int, int] | None:
+    def pil_resize(self) -> Any:
         """``resize`` in PIL's order: an int, or ``(width, height)``."""
         return _width_first(self.resize) if isinstance(self.resize, tuple) else self.resize
 
@@ -157,12 +157,11 @@ class TransformSpec:
 
     def describe(self) -> dict[str, Any]:
         """The spec as the manifest's ``transform`` object: the steps, their parameters and the rules."""
-        if self.resize is None:
-            resize = None
-        elif isinstance(self.resize, int):
+        resize: dict[str, Any] | None = None
+        if isinstance(self.resize, int):
             resize = {"shorter_side": self.resize}
-        else:
-            resize = {"size": list(self.pil_resize)}
+        elif self.resize is not None:
+            resize = {"size": list(self.pil_resize)}  # width first, as PIL writes sizes
         crop = self.pil_crop
         return {
             "steps": list(STEPS),
@@ -225,13 +224,13 @@ def resize_and_crop(
         pixels = torch_resize(img, target, box if inside else None)
         out = Image.fromarray(pixels.permute(1, 2, 0).contiguous().numpy(), "RGB")
         return out if inside or box is None else out.crop(box)  # a crop larger than the image pads
-    if not inside:
-        out = img if img.size == target else img.resize(target, Image.BILINEAR)
+    if not inside or box is None or crop is None:  # (no crop, or one that pads)
+        out = img if img.size == target else img.resize(target, Image.Resampling.BILINEAR)
         return out if box is None else out.crop(box)
     if img.size == target:
         return img.crop(box)
     sx, sy = img.width / target[0], img.height / target[1]
-    return img.resize(crop, Image.BILINEAR, box=(box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy))
+    return img.resize(crop, Image.Resampling.BILINEAR, box=(box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy))
 
 
 ImageSource = str | Path | bytes | Image.Image

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -80,8 +80,9 @@ class FieldSpec:
         if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
             raise FormatError(f"{origin}: field classes must be a list of strings")
         try:
-            return cls(data.get("name"), data.get("type"), data.get("length"),
-                       None if classes is None else tuple(classes))
+            return cls(data["name"], data["type"], data.get("length"), None if classes is None else tuple(classes))
+        except KeyError as e:
+            raise FormatError(f"{origin}: a field has no {e.args[0]!r}") from None
         except (ValueError, TypeError) as e:
             raise FormatError(f"{origin}: {e}") from None
 
@@ -133,16 +134,15 @@ class FieldSpec:
         if self.type == "float":
             return {prefix: np.asarray(values, dtype=np.float64).reshape(len(values))}
         if self.type == "vector":
-            return {prefix: np.asarray(values, dtype=np.float32).reshape(len(values), self.length)}
+            return {prefix: np.asarray(values, dtype=np.float32).reshape(len(values), self.length or 0)}
         if self.type == "str":
             encoded = [v.encode("utf-8", "surrogateescape") for v in values]
-            flat = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-            return _with_offsets(prefix, flat, [len(e) for e in encoded])
+            return _with_offsets(prefix, np.frombuffer(b"".join(encoded), dtype=np.uint8), [len(e) for e in encoded])
         if self.type == "labels":
-            flat = np.asarray([i for v in values for i in v], dtype=np.int64)
-            return _with_offsets(prefix, flat, [len(v) for v in values])
-        flat = np.asarray([b for v in values for b in v], dtype=np.float32).reshape(-1, 4)
-        return _with_offsets(prefix, flat, [len(v) for v in values])
+            return _with_offsets(prefix, np.asarray([i for v in values for i in v], dtype=np.int64),
+                                 [len(v) for v in values])
+        boxes = np.asarray([b for v in values for b in v], dtype=np.float32).reshape(-1, 4)
+        return _with_offsets(prefix, boxes, [len(v) for v in values])
 
     def column_names(self, prefix: str) -> list[str]:
         return [f"{prefix}.values", f"{prefix}.offsets"] if self.type in _VARIABLE else [prefix]
@@ -211,8 +211,9 @@ class Column:
         if columns[0].offsets is None:
             return Column(spec, values, None)
         starts = np.cumsum([0] + [len(c.values) for c in columns[:-1]])
-        offsets = np.concatenate([[0]] + [c.offsets[1:] + start for c, start in zip(columns, starts)])
-        return Column(spec, values, offsets.astype(np.int64))
+        parts = [np.zeros(1, np.int64)] + [c.offsets[1:] + start for c, start in zip(columns, starts)
+                                           if c.offsets is not None]
+        return Column(spec, values, np.concatenate(parts).astype(np.int64))
 
 
 SOURCE_SPEC = FieldSpec("source_path", "str")  # the source column's type (its name is reserved for fields)
@@ -224,7 +225,7 @@ def field_prefix(name: str) -> str:
 
 
 def record_columns(
-    fields: Sequence[FieldSpec], sources: Sequence[str], values: dict[str, Sequence[Any]]
+    fields: Sequence[FieldSpec], sources: Sequence[str], values: Mapping[str, Sequence[Any]]
 ) -> dict[str, np.ndarray]:
     """Every named array of one shard: the source column, then one column per field."""
     arrays = SOURCE_SPEC.columns(sources, SOURCE)

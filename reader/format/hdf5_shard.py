@@ -98,7 +98,7 @@ def internal_dataset(f: h5py.File, name: str, shown: object) -> h5py.Dataset:
     return dataset
 
 
-def read_hdf5_table(path: str | Path, shown: Path, records: int | None = None) -> np.ndarray:
+def read_hdf5_table(path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
     """The record table of the HDF5 shard at ``path`` (named ``shown`` in errors), checked for links
     and external storage, its dtype, ``records`` rows and a size the file can hold (a compressed
     table claiming a billion rows would otherwise be inflated into memory) before it is read."""

@@ -70,7 +70,8 @@ class LmdbShardWriter(ShardWriter):
                 map_size=_INITIAL_MAP_SIZE, max_dbs=0,
             )
         except lmdb.Error as e:  # a full disk can already fail the open
-            raise self._as_os_error(e) from None
+            raise self._write_error(e) from None
+        self._closed = False
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
 
@@ -100,9 +101,8 @@ class LmdbShardWriter(ShardWriter):
         map_addr = mapping_address(self.tmp_path)
         with self._env.begin(buffers=True) as txn:
             for i in range(len(table)):
-                view = txn.get(record_key(i))
-                offsets[i] = np.frombuffer(view, dtype=np.uint8).ctypes.data - map_addr
-            first = bytes(txn.get(record_key(0)))
+                offsets[i] = np.frombuffer(self._written(txn, i), dtype=np.uint8).ctypes.data - map_addr
+            first = bytes(self._written(txn, 0))
         with open(self.tmp_path, "rb") as f:
             f.seek(int(offsets[0]))
             if f.read(len(first)) != first:
@@ -117,15 +117,23 @@ class LmdbShardWriter(ShardWriter):
         self._env.sync(True)
         self._close()
 
+    def _written(self, txn: lmdb.Transaction, index: int) -> bytes | memoryview:
+        """Record ``index`` as LMDB's map holds it, just after it was committed."""
+        view = txn.get(record_key(index))
+        if view is None:
+            raise RuntimeError(f"{self.tmp_path}: record {index} was committed but LMDB does not find it")
+        return view
+
     def _as_os_error(self, error: Exception) -> OSError | None:
-        if not isinstance(error, lmdb.Error):
-            return None
+        return self._write_error(error) if isinstance(error, lmdb.Error) else None
+
+    def _write_error(self, error: lmdb.Error) -> OSError:
         return OSError(errno.EIO, f"LMDB write failed ({error})", str(self.tmp_path))
 
     def _close(self) -> None:
-        if self._env is not None:
+        if not self._closed:
             self._env.close()
-            self._env = None
+            self._closed = True
 
 
 def mapping_address(path: Path) -> int:
@@ -139,7 +147,7 @@ def mapping_address(path: Path) -> int:
     raise RuntimeError(f"{path}: LMDB mapping not found in /proc/self/maps")
 
 
-def check_lmdb_meta(path: str | Path, file_size: int, shown: Path) -> None:
+def check_lmdb_meta(path: str | os.PathLike, file_size: int, shown: Path) -> None:
     """Refuse an LMDB file whose meta pages promise more pages than the file holds (or are not LMDB).
 
     LMDB maps the file and trusts its meta page: a truncated file, or one whose meta names a last
@@ -209,7 +217,7 @@ def _checked_values(
         env.close()
 
 
-def read_lmdb_table(path: str | Path, shown: Path, records: int | None = None) -> np.ndarray:
+def read_lmdb_table(path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
     """The record table of the LMDB shard at ``path`` (named ``shown`` in errors), checked before
     anything is mapped or allocated: meta pages inside the file, the value inside the file, an
     ``.npy`` header of the record-table dtype and ``records`` rows."""

@@ -13,7 +13,7 @@ from reader.format.records import MAX_SIDE
 from reader.format.registry import ENCODINGS, STORAGES
 
 SHARD_KEYS = {"file": str, "records": int, "bytes": int, "checksum": str}
-_FIELDS = {
+_FIELDS: dict[str, type | tuple[type, ...]] = {
     "format": str, "format_version": int, "tool_version": str, "storage": str, "encoding": str,
     "jpeg_quality": (int, type(None)), "shape": (list, type(None)), "classes": list, "shards": list,
     "transform": dict, "source": dict, "fields": list, "labelled": bool,
