@@ -208,7 +208,7 @@ class BatchAugment:
             sizes = [(int(image.shape[1]), int(image.shape[2])) for image in images]
             images = stack_padded(list(images))
         else:
-            sizes = [tuple(images.shape[2:])] * images.shape[0]
+            sizes = [(int(images.shape[2]), int(images.shape[3]))] * images.shape[0]
         return self.apply(images, self.draw(sizes, generator))
 
     def draw(self, sizes: Sequence[tuple[int, int]], generator: torch.Generator) -> AugmentDraws:
@@ -231,6 +231,7 @@ class BatchAugment:
         heights, widths = _sizes_on(generator.device, sizes)
         box_h, box_w = self._random_box_sizes(heights, widths, generator)
         top, left = self._corners(box_h, box_w, heights, widths, generator)
+        assert self.random_resized_crop is not None  # drawn only with it
         out_h, out_w = self.random_resized_crop
         scale = torch.stack([box_h.to(torch.float64) / out_h, box_w.to(torch.float64) / out_w])
         taps = self._taps_bound(max(h for h, _ in sizes) / out_h, max(w for _, w in sizes) / out_w)
@@ -247,7 +248,9 @@ class BatchAugment:
 
     def _windows(self, sizes: Sequence[tuple[int, int]], generator: torch.Generator) -> dict:
         """Fixed-size windows: drawn uniformly (``crop``), or centred (``center_crop`` without resize)."""
-        window_h, window_w = self.crop or self.center_crop
+        window = self.crop or self.center_crop
+        assert window is not None  # drawn only with one of them
+        window_h, window_w = window
         if self.crop is not None:
             heights, widths = _sizes_on(generator.device, sizes)
             box_h, box_w = torch.full_like(heights, window_h), torch.full_like(widths, window_w)
@@ -266,12 +269,16 @@ class BatchAugment:
             raise ValueError(f"expected a uint8 batch [B, C, H, W], got {images.dtype} {tuple(images.shape)}")
         scale, shift = self._affine(images.device, images.shape[1])
         if draws.scale is not None:
+            assert draws.offset is not None and draws.top is not None and draws.left is not None
+            assert draws.height is not None and draws.width is not None and draws.taps is not None
             out_h, out_w = self.output_size(*images.shape[2:])
             rows = _taps(draws.top, draws.height, draws.scale[0], draws.offset[0], out_h, draws.taps, self.antialias)
             cols = _taps(draws.left, draws.width, draws.scale[1], draws.offset[1], out_w, draws.taps, self.antialias)
             images = _resample(images, rows, cols, draws.flip)
-        elif draws.top is not None:
-            crop_h, crop_w = self.crop or self.center_crop
+        elif draws.top is not None and draws.left is not None:
+            window = self.crop or self.center_crop
+            assert window is not None  # a window was drawn
+            crop_h, crop_w = window
             images = _crop(images, draws.top, draws.left, crop_h, crop_w, draws.flip)
         elif draws.flip is not None:
             images = torch.where(draws.flip.view(-1, 1, 1, 1), images.flip(-1), images)
@@ -307,6 +314,7 @@ class BatchAugment:
     def _center_geometry(self, height: int, width: int) -> tuple[float, float, int, int]:
         """For one image: ``(row scale, column scale, top, left)`` of the center crop on the resized grid
         (torchvision's Resize(shorter side) and CenterCrop rounding); scales are 1 without ``resize``."""
+        assert self.center_crop is not None  # only for center crops
         new_h, new_w = height, width
         if self.resize is not None:
             if width <= height:

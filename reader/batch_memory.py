@@ -101,7 +101,7 @@ def new_batch(shape: tuple[int, ...]) -> torch.Tensor:
     in_worker = get_worker_info() is not None
     if in_worker and _handoff_pid != pid:
         return _fresh(nbytes, shared=True).view(shape)
-    if _pool_pid != pid:
+    if _pool is None or _pool_pid != pid:
         _pool, _pool_pid = _Pool(shared=in_worker), pid
     return _pool.take(nbytes).view(shape)
 
@@ -128,7 +128,7 @@ def hand_over(batch: tuple) -> tuple:
             state = trailer.numpy()
             state[STATE_BYTE] = SENT
             if state[KNOWN_BYTE] and isinstance(images, torch.Tensor):
-                images = _SlotView(state[NAME_BYTES].tobytes(), images.storage_offset(),
+                images = _SlotView(state[NAME_BYTES].tobytes(), int(images.storage_offset()),
                                    tuple(images.shape), tuple(images.stride()))
         if isinstance(labels, torch.Tensor):
             labels = _ByValue(labels.numpy())
@@ -184,10 +184,10 @@ class SlotReleaser:
             batch = (torch.empty(0, dtype=torch.uint8).set_(
                 trailer.untyped_storage(), images.offset, images.shape, images.stride), *batch[1:])
         else:
-            trailer = _trailer_of(images)
-            if trailer is None:
+            found = _trailer_of(images)
+            if found is None:
                 return batch
-            state = trailer.numpy()
+            trailer, state = found, found.numpy()
             self._trailers.setdefault(trailer.data_ptr(), trailer)
             self._named.setdefault(state[NAME_BYTES].tobytes(), trailer)
             state[KNOWN_BYTE] = 1
@@ -213,7 +213,7 @@ def _trailer_of(images: object) -> torch.Tensor | None:
     size = storage.nbytes()
     if size < TRAILER:
         return None
-    trailer = torch.empty(0, dtype=torch.uint8).set_(storage, size - TRAILER, (TRAILER,))
+    trailer = torch.empty(0, dtype=torch.uint8).set_(storage, size - TRAILER, (TRAILER,))  # type: ignore[call-overload]
     return trailer if trailer.numpy()[:STATE_BYTE].tobytes() == MAGIC else None
 
 

@@ -91,13 +91,14 @@ class BatchStream(Sampler[list[int]]):
     def endless(self) -> Iterator[list[int]]:
         """Pass after pass from the sampler's current one, each batch advised ahead (module docstring)."""
         batches = self._batches()
-        if not self.lookahead_batches:
+        advise = self.advise
+        if not self.lookahead_batches or advise is None:
             for batch in batches:
                 yield batch.tolist()
             return
         ahead: deque[np.ndarray] = deque()
         for batch in batches:
-            self.advise(batch)
+            advise(batch)
             ahead.append(batch)
             if len(ahead) > self.lookahead_batches:
                 yield ahead.popleft().tolist()

@@ -37,6 +37,7 @@ from reader.record_fields import RecordFields
 from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
 
 Images = torch.Tensor | list[torch.Tensor]
+Indices = Sequence[int] | np.ndarray  # record indices, as a list or an int array
 Allocator = Callable[[tuple[int, ...]], torch.Tensor]
 VERIFY_LEVELS = ("tables", "full")
 
@@ -157,7 +158,7 @@ class PackedDataset(Dataset):
         """One record: a contiguous ``uint8 [3, H, W]`` tensor and its label."""
         return self.__getitems__([operator.index(index)])[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int]]:
+    def __getitems__(self, indices: Indices) -> list[tuple[torch.Tensor, int]]:
         """Samples ``[(uint8 [3, H, W] contiguous, int label), ...]`` in the requested order.
 
         torch's convention for ``__getitems__``: what a plain ``DataLoader`` (or ``Subset``) hands to
@@ -168,12 +169,12 @@ class PackedDataset(Dataset):
         idx = self._checked_indices(indices)
         images = self._read(idx, _private_batch)
         if isinstance(images, torch.Tensor) and images.is_contiguous():
-            images = images.unbind(0)
+            samples = list(images.unbind(0))
         else:
-            images = [image.contiguous() for image in images]
-        return list(zip(images, self.targets[idx].tolist()))
+            samples = [image.contiguous() for image in images]
+        return list(zip(samples, self.targets[idx].tolist()))
 
-    def read_batch(self, indices: Sequence[int]) -> tuple[Images, torch.Tensor]:
+    def read_batch(self, indices: Indices) -> tuple[Images, torch.Tensor]:
         """A whole batch, in the requested order: ``(uint8 [B, 3, H, W], int64 [B])``, zero-copy.
 
         When the records' sizes vary (manifest ``shape`` is null) the images are a list of
@@ -190,7 +191,7 @@ class PackedDataset(Dataset):
             return self._read_raw(idx, allocate)
         return self._read_decoded(idx, allocate)
 
-    def advise(self, indices: Sequence[int]) -> None:
+    def advise(self, indices: Indices) -> None:
         """Start reading, in the background, the whole read-ahead blocks that hold these records.
 
         Called with the records of a batch still ahead in the order (``reader.batch_stream``), so the
@@ -210,7 +211,7 @@ class PackedDataset(Dataset):
         """Close the shard files this process opened (they reopen on the next read)."""
         self._files.close()
 
-    def _checked_indices(self, indices: Sequence[int]) -> np.ndarray:
+    def _checked_indices(self, indices: Indices) -> np.ndarray:
         idx = np.asarray(indices)
         if idx.size == 0:
             return idx.astype(np.int64).reshape(0)
@@ -290,7 +291,7 @@ def _private_batch(shape: tuple[int, ...]) -> torch.Tensor:
 
 def _split(tensor: torch.Tensor, nbytes: np.ndarray) -> list[memoryview]:
     """Consecutive byte ranges of a C-contiguous uint8 tensor, one per record."""
-    return _split_view(memoryview(tensor.numpy()).cast("B"), nbytes)
+    return _split_view(tensor.numpy().data.cast("B"), nbytes)
 
 
 def _split_view(view: memoryview, nbytes: np.ndarray) -> list[memoryview]:

@@ -45,7 +45,7 @@ class DecodeThreads:
             future.result()
 
     def _started(self) -> ThreadPoolExecutor:
-        if self._pool_pid != os.getpid():
+        if self._pool is None or self._pool_pid != os.getpid():
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="jpeg-decode")
             self._pool_pid = os.getpid()
         return self._pool

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import numpy as np
 import torch
@@ -83,17 +83,27 @@ class PackedLoader(HookedDataLoader):
         self._last_complete_epoch: int | None = None
 
     @property
+    def stream(self) -> BatchStream:
+        """The batch sampler ``make_loader`` gave this loader."""
+        return cast(BatchStream, self.batch_sampler)
+
+    @property
+    def view(self) -> PackedView:
+        """The dataset the workers read (``source`` as one sequence of packed records)."""
+        return cast(PackedView, self.dataset)
+
+    @property
     def shard_sampler(self) -> ShardSampler:
-        return self.batch_sampler.sampler
+        return self.stream.sampler
 
     @property
     def source(self) -> Dataset:
         """The dataset given to ``make_loader`` (``dataset`` is the ``PackedView`` the workers read)."""
-        return self.dataset.source
+        return self.view.source
 
     def index_batches(self) -> "_EndlessBatches":
         """The endless stream, so that workers prefetch across epochs (the class docstring)."""
-        return _EndlessBatches(self.batch_sampler)
+        return _EndlessBatches(self.stream)
 
     def batch_receiver(self) -> Callable[[Batch], Batch]:
         """Shows every batch received from a worker to the ``SlotReleaser`` (no slot stays marked as in
@@ -117,7 +127,7 @@ class PackedLoader(HookedDataLoader):
         self._epoch_start = self.shard_sampler.start
         self._stream_next = None
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Batch | dict[str, Any]]:  # type: ignore[override]
         epoch, start = self.shard_sampler.epoch, self.shard_sampler.start
         self._yielded = 0
         self._epoch_start = start
@@ -138,12 +148,10 @@ class PackedLoader(HookedDataLoader):
             if self._pin_batches:
                 batch = (_pinned(batch[0]), *(tensor.pin_memory() for tensor in batch[1:]))
             self._releaser.release_unused()
-            if order is not None:
-                positions = order[start + self._yielded:start + self._yielded + len(batch[1])]
-                batch = self._as_mapping(batch, positions)
-            self._yielded += len(batch["label"] if order is not None else batch[1])
-            yield batch
-        self._stream_next = self.batch_sampler.following(epoch, start)
+            taken = slice(start + self._yielded, start + self._yielded + len(batch[1]))
+            self._yielded += len(batch[1])
+            yield batch if order is None else self._as_mapping(batch, order[taken])
+        self._stream_next = self.stream.following(epoch, start)
         self._last_complete_epoch = epoch
 
     def _as_mapping(self, batch: Batch, positions: np.ndarray) -> dict[str, Any]:
@@ -151,7 +159,7 @@ class PackedLoader(HookedDataLoader):
         mapping = {"image": batch[0], "label": batch[1]}
         if self.evaluation:
             mapping.update(index=batch[2], valid=batch[3])
-        mapping.update(self.dataset.field_batch(positions, self.fields))
+        mapping.update(self.view.field_batch(positions, self.fields or []))
         return mapping
 
     def _stream_at(self, epoch: int, start: int) -> Iterator[Batch]:
@@ -160,7 +168,7 @@ class PackedLoader(HookedDataLoader):
         live = self.live_iterator()
         if live is not None and self._stream_next == (epoch, start):
             return live
-        self.batch_sampler.epoch_step = int(self._last_complete_epoch != epoch)
+        self.stream.epoch_step = int(self._last_complete_epoch != epoch)
         return super().__iter__()
 
 

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from reader.batch_memory import new_batch
-from reader.dataset import Images, PackedDataset
+from reader.dataset import Images, Indices, PackedDataset
 
 
 class PackedView(Dataset):
@@ -82,7 +82,7 @@ class PackedView(Dataset):
         for part in self.parts:
             part.record_fields.check_names(names)
 
-    def field_batch(self, positions: Sequence[int], names: Sequence[str]) -> dict[str, Any]:
+    def field_batch(self, positions: Indices, names: Sequence[str]) -> dict[str, Any]:
         """The named fields (``reader.record_fields``) of the records at ``positions``, batched."""
         if self._identity:
             return self.parts[0].record_fields.batch(np.asarray(positions, dtype=np.int64), names)
@@ -101,7 +101,7 @@ class PackedView(Dataset):
                         slots[member] = value
         return out
 
-    def locate(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def locate(self, positions: Indices) -> tuple[np.ndarray, np.ndarray]:
         """``(part index, record)`` of each position."""
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         if pos.size and (pos.min() < 0 or pos.max() >= len(self)):
@@ -109,10 +109,10 @@ class PackedView(Dataset):
             raise IndexError(f"position {bad} is out of range for {len(self)} records of {_name(self.source)}")
         return self._part_of[pos], self._record_of[pos]
 
-    def __getitems__(self, positions: Sequence[int]) -> tuple[Images, torch.Tensor]:
+    def __getitems__(self, positions: Indices) -> tuple[Images, torch.Tensor]:
         return self.read_batch(positions)
 
-    def read_batch(self, positions: Sequence[int]) -> tuple[Images, torch.Tensor]:
+    def read_batch(self, positions: Indices) -> tuple[Images, torch.Tensor]:
         """The records at ``positions`` as one batch, like ``PackedDataset.read_batch``."""
         if self._identity:
             return self.parts[0].read_batch(positions)
@@ -126,7 +126,7 @@ class PackedView(Dataset):
             labels[members] = part_labels
         return _gathered([(members, images) for members, images, _ in pieces], len(records)), labels
 
-    def advise(self, positions: Sequence[int]) -> None:
+    def advise(self, positions: Indices) -> None:
         """``PackedDataset.advise`` for each part's records among ``positions``."""
         if self._identity:
             self.parts[0].advise(positions)
@@ -149,19 +149,19 @@ def as_view(dataset: Dataset) -> PackedView:
 def _gathered(pieces: list[tuple[np.ndarray, Images]], count: int) -> Images:
     """One batch of ``count`` images from the parts' batches, each piece going to its ``members``,
     copied into one new batch buffer (the parts' buffers go back to their pool at once)."""
-    tensors = [images for _, images in pieces]
-    if all(isinstance(t, torch.Tensor) for t in tensors) and len({t.shape[1:] for t in tensors}) == 1:
+    tensors = [images for _, images in pieces if isinstance(images, torch.Tensor)]
+    if len(tensors) == len(pieces) and len({t.shape[1:] for t in tensors}) == 1:
         _, channels, height, width = tensors[0].shape
         if all(t.stride(1) == 1 for t in tensors):  # all channels-last (decoded JPEG): keep that layout
             batch = new_batch((count, height, width, channels)).permute(0, 3, 1, 2)
         else:
             batch = new_batch((count, channels, height, width))
-        for members, images in pieces:
+        for (members, _), images in zip(pieces, tensors):
             batch[torch.from_numpy(members)] = images
         return batch
     ordered: list[torch.Tensor] = [torch.empty(0)] * count
-    for members, images in pieces:
-        for k, image in zip(members.tolist(), images):
+    for members, part_images in pieces:
+        for k, image in zip(members.tolist(), part_images):
             ordered[k] = image
     # One buffer for all (a make_loader worker hands over the slot behind the first image only).
     flat = new_batch((sum(image.numel() for image in ordered),))
@@ -173,7 +173,7 @@ def _resolve(dataset: Dataset) -> tuple[list, np.ndarray, np.ndarray | None]:
     """``(parts, part index per position, record per position)``; records ``None`` for a whole
     single part (the identity, kept without arrays)."""
     if hasattr(dataset, "manifest") and not isinstance(dataset, (Subset, ConcatDataset)):
-        return [dataset], np.zeros(len(dataset), np.int64), None
+        return [dataset], np.zeros(len(dataset), np.int64), None  # type: ignore[arg-type]
     if isinstance(dataset, Subset):
         parts, part_of, record_of = _resolve(dataset.dataset)
         indices = np.asarray(dataset.indices, dtype=np.int64).reshape(-1)
@@ -187,7 +187,9 @@ def _resolve(dataset: Dataset) -> tuple[list, np.ndarray, np.ndarray | None]:
             record_of = np.arange(size, dtype=np.int64)
         return parts, part_of[indices], record_of[indices]
     if isinstance(dataset, ConcatDataset):
-        parts, part_of, record_of = [], [], []
+        parts = []
+        part_ofs: list[np.ndarray] = []
+        records: list[np.ndarray] = []
         for child in dataset.datasets:
             child_parts, child_part_of, child_records = _resolve(child)
             numbers = []
@@ -196,12 +198,12 @@ def _resolve(dataset: Dataset) -> tuple[list, np.ndarray, np.ndarray | None]:
                 numbers.append(known[0] if known else len(parts))
                 if not known:
                     parts.append(part)
-            part_of.append(np.asarray(numbers, np.int64)[child_part_of])
-            record_of.append(np.arange(len(child_part_of), dtype=np.int64) if child_records is None
-                             else child_records)
+            part_ofs.append(np.asarray(numbers, np.int64)[child_part_of])
+            records.append(np.arange(len(child_part_of), dtype=np.int64) if child_records is None
+                           else child_records)
         if not parts:
             raise ValueError("make_loader: the ConcatDataset holds no dataset")
-        return parts, np.concatenate(part_of), np.concatenate(record_of)
+        return parts, np.concatenate(part_ofs), np.concatenate(records)
     raise TypeError(
         f"make_loader reads a PackedDataset, a Subset or a ConcatDataset of them, not "
         f"{type(dataset).__name__}; give this dataset to a plain torch DataLoader instead "

@@ -17,7 +17,7 @@ exactly what the uninterrupted run drew, and the state is the same on every rank
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
@@ -25,6 +25,14 @@ from reader.augment import BatchAugment, augment_from, seeded_generator
 from reader.ranks import rank_and_world_size
 
 Batch = tuple[torch.Tensor, ...] | dict[str, Any]  # a mapping with make_loader(fields=...)
+
+
+class Loader(Protocol):
+    """What the prefetcher reads: batches, and how many an epoch has."""
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def __len__(self) -> int: ...
 
 
 def default_device(device: torch.device | str | None) -> torch.device:
@@ -69,7 +77,7 @@ class CUDAPrefetcher:
 
     def __init__(
         self,
-        loader: Iterable[Batch],
+        loader: Loader,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         *,
@@ -140,7 +148,9 @@ class CUDAPrefetcher:
         """Yield batch k, then start k+1 before the consumer resumes. Closing this generator (an
         early ``break`` does) drops the batch in flight and the loader's iterator; the position stays
         after the last batch handed over."""
-        source = iter(self.loader)
+        source: Iterator[Batch] = iter(self.loader)
+        pending: Batch | None = None
+        ready: Batch | None = None
         number = first
         try:
             self._mark(epoch, number)
@@ -153,15 +163,16 @@ class CUDAPrefetcher:
                 yield ready
             self._mark(epoch + 1, 0)
         finally:
-            pending = ready = source = None
+            pending = ready = None  # drop the batches in flight and the loader's iterator
+            source = iter(())
 
     def _start(self, batch: Batch | None, epoch: int, number: int) -> Batch | None:
         """Enqueue the copy and augmentation of ``batch`` on the side stream (CPU: compute it now)."""
         if batch is None:
             return None
-        mapping = isinstance(batch, dict)  # make_loader(fields=...): {"image", "label", <fields>}
-        if mapping:
-            images, labels, extras = batch["image"], batch["label"], []
+        extras: list[Any] = []
+        if isinstance(batch, dict):  # make_loader(fields=...): {"image", "label", <fields>}
+            images, labels = batch["image"], batch["label"]
         else:
             images, labels, *extras = batch
         context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -170,7 +181,7 @@ class CUDAPrefetcher:
             labels = self._to_device(labels).to(torch.int64)
             generator = seeded_generator(self.device, self.seed, epoch, self.rank, number)
             images = self.augment(images, generator)
-            if mapping:
+            if isinstance(batch, dict):
                 fields = {name: self._to_device(value) for name, value in batch.items()
                           if name not in ("image", "label")}
                 return {"image": images, "label": labels, **fields}

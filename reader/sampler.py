@@ -41,7 +41,7 @@ away.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, cast
 
 import numpy as np
 import torch.distributed as dist
@@ -200,7 +200,7 @@ def _check_same_on_every_rank(values: dict) -> None:
     gathered: list[dict | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, values)
     for name in values:
-        seen = [entry[name] for entry in gathered]
+        seen = [entry[name] for entry in cast(list[dict], gathered)]  # every rank sent one
         if len(set(seen)) > 1:
             each = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(seen))
             raise ValueError(

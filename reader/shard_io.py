@@ -132,7 +132,7 @@ class ShardFiles:
                 "identities": self.identities}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["paths"], state["identities"], state["max_gap"], state["block_bounds"])
+        ShardFiles.__init__(self, state["paths"], state["identities"], state["max_gap"], state["block_bounds"])
 
     def __del__(self) -> None:
         self.close()
@@ -259,13 +259,19 @@ class ShardFiles:
         if fresh:
             self._advise_blocks(shard, self._fd(shard), fresh)
 
+    def _bounds(self, shard: int) -> np.ndarray:
+        """The block bounds of ``shard`` (only asked for with read-ahead on)."""
+        if self.block_bounds is None:
+            raise RuntimeError("block bounds asked for with read-ahead off")
+        return self.block_bounds[shard]
+
     def _note_advised(self, shard: int, block: int) -> bool:
         """Remember that ``block`` is being advised; False if it already was, recently."""
         key = (shard, block)
         if key in self._advised:
             self._advised.move_to_end(key)
             return False
-        bounds = self.block_bounds[shard]
+        bounds = self._bounds(shard)
         size = self._advised[key] = int(bounds[block + 1] - bounds[block])
         self._advised_bytes += size
         while self._advised_bytes > RECENT_ADVICE_BYTES and len(self._advised) > 1:
@@ -283,7 +289,7 @@ class ShardFiles:
     def _touched_blocks(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """The sorted numbers of the blocks of shard ``shard`` that the byte ranges ``[starts, ends)``
         touch."""
-        bounds = self.block_bounds[shard]
+        bounds = self._bounds(shard)
         last_block = len(bounds) - 2
         first = np.clip(np.searchsorted(bounds, starts, "right") - 1, 0, last_block)
         last = np.clip(np.searchsorted(bounds, ends - 1, "right") - 1, 0, last_block)
@@ -298,7 +304,7 @@ class ShardFiles:
         The advice is asynchronous and only advice: pages already cached cost a lookup, not a read,
         and a file system that refuses it just leaves the records to be read on their own.
         """
-        bounds = self.block_bounds[shard]
+        bounds = self._bounds(shard)
         piece = self._advice_piece(shard, fd)
         with _advice_lock(fd):
             try:

@@ -9,6 +9,8 @@ sequential evaluation reads the validation set front to back.
 """
 from __future__ import annotations
 
+from typing import Sequence, cast
+
 import numpy as np
 from torch.utils.data import Dataset, Subset
 
@@ -30,4 +32,5 @@ def split(dataset: Dataset, val_fraction: float, seed: int = 0) -> tuple[Subset,
         members = np.flatnonzero(labels == label)
         chosen = rng.permutation(members)[:int(np.floor(val_fraction * len(members) + 0.5))]
         in_val[chosen] = True
-    return Subset(dataset, np.flatnonzero(~in_val)), Subset(dataset, np.flatnonzero(in_val))
+    train, val = np.flatnonzero(~in_val), np.flatnonzero(in_val)  # int arrays: Subset takes any indexable
+    return Subset(dataset, cast(Sequence[int], train)), Subset(dataset, cast(Sequence[int], val))

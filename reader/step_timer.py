@@ -124,7 +124,7 @@ class StepTimer:
                 except StopIteration:
                     return
                 handed_over = self._now()
-                pending = (handed_over - asked, len(batch[0]))
+                pending = (handed_over - asked, len(batch[0]))  # type: ignore[index]
                 yield batch
         finally:
             if pending is not None:

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data import dataloader as dataloader_module
 
 
@@ -47,14 +47,13 @@ def detect() -> TorchHooks:
     watchable = (iterator is not None and callable(getattr(iterator, "_try_get_data", None))
                  and callable(getattr(DataLoader, "_get_iterator", None)))
     cross_epoch = (isinstance(getattr(DataLoader, "_index_sampler", None), property)
-                   and "_iterator" in vars(DataLoader([]))
+                   and "_iterator" in vars(DataLoader(cast(Dataset, [])))
                    and iterator is not None and callable(getattr(iterator, "_reset", None)))
     use_count = getattr(torch._C, "_storage_Use_Count", None)
+    storage_use_count: Callable[[torch.UntypedStorage], int] | None = None
     if use_count is not None and hasattr(torch.UntypedStorage(0), "_cdata"):
         def storage_use_count(storage: torch.UntypedStorage) -> int:
             return use_count(storage._cdata)
-    else:
-        storage_use_count = None
     return TorchHooks(
         storage_use_count=storage_use_count,
         new_shared_storage=getattr(torch.UntypedStorage, "_new_shared", None),

@@ -84,6 +84,8 @@ def decode_into(payload: memoryview, out: np.ndarray, *, fast: bool) -> None:
     a size other than ``out``'s. Call only when ``available()``.
     """
     lib = _library()
+    if lib is None:
+        raise RuntimeError("libturbojpeg is not installed (check turbojpeg.available() first)")
     handle = _handle(lib)
     source = np.frombuffer(payload, dtype=np.uint8)
     source_ptr, size = source.ctypes.data, source.size
