@@ -202,10 +202,7 @@ class PackedDataset(Dataset):
         if not self.readahead:
             return
         idx = self._checked_indices(indices)
-        shards = self._shard_of(idx)
-        for shard in np.unique(shards).tolist():
-            records = idx[shards == shard]
-            self._files.advise(shard, self._offsets[records], self._nbytes[records])
+        self._files.advise(self._shard_of(idx), self._offsets[idx], self._nbytes[idx])
 
     def close(self) -> None:
         """Close the shard files this process opened (they reopen on the next read)."""
