@@ -78,6 +78,28 @@ def test_source_file_over_the_size_limit_is_refused(src: Path, tmp_path: Path) -
         packer.pack(src, tmp_path / "api", on_error="fail", workers=0, progress=False, max_file_bytes=4000)
 
 
+@pytest.mark.parametrize("limit", [1000, 100])
+def test_a_file_growing_while_it_is_read_is_read_whole_or_refused(tmp_path: Path, monkeypatch, limit: int) -> None:
+    """fstat saw 40 bytes; the file has 500 by the time it is read (the race, staged by a smaller
+    fstat): within the limit it is read whole, past it the file is refused."""
+    import packer.transforms as transforms
+
+    path = tmp_path / "growing.bin"
+    path.write_bytes(bytes(range(250)) * 2)
+    real_fstat = os.fstat
+
+    def stale_fstat(fd: int) -> os.stat_result:
+        fields = real_fstat(fd)
+        return os.stat_result((*fields[:6], 40, *fields[7:]))  # st_size is field 6
+
+    monkeypatch.setattr(transforms.os, "fstat", stale_fstat)
+    if limit > 500:
+        assert transforms.read_source_file(path, limit) == path.read_bytes()
+    else:
+        with pytest.raises(transforms.SourceFileError, match="file grew past the limit of 100 bytes while it was read"):
+            transforms.read_source_file(path, limit)
+
+
 def test_non_utf8_names_are_packed_and_shown_escaped(src: Path, tmp_path: Path) -> None:
     image(src / "a" / f"{CAFE}.png", shade=7)
     image(src / CAFE / "0.png", shade=9)
