@@ -13,6 +13,7 @@ dataset intact; rerunning the same command finishes it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ from typing import Any, Mapping
 
 from packer.errors import PackError
 from packer.joining import reconciled_classes
+from packer.labels_file import read_label_rows
 from packer.packing import pack
 from packer.transforms import DEFAULT_MAX_FILE_BYTES, TransformSpec
 from packer.version import __version__
@@ -43,20 +45,37 @@ def append(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> Manifest:
     """Pack the images of ``src`` (a folder or a ``labels`` file, as for ``pack``) and add them to the
-    finished dataset ``dst`` (module docstring); returns the new manifest."""
+    finished dataset ``dst`` (module docstring); returns the new manifest.
+
+    A source that labels its images where the dataset does not (or the other way round), or whose
+    labels file has other fields than the dataset's (in any column order), is refused before anything is
+    packed; a ``dst`` that cannot be written (read-only, no permission) is a ``PackError`` naming the file,
+    and the old dataset stays as it was."""
     dst = Path(dst)
     try:
         old = load_manifest(dst)
     except FormatError as e:
         raise PackError(f"--append: {e}") from None
+    try:
+        return _append(Path(src), dst, old, labels=labels, label_kind=label_kind, workers=workers,
+                       on_error=on_error, shard_size=shard_size, progress=progress, max_file_bytes=max_file_bytes)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise PackError(f"{e.filename or dst}: {e.strerror}; cannot append to {dst}, which still holds the old "
+                        "dataset") from None
+
+
+def _append(src: Path, dst: Path, old: Manifest, **options: Any) -> Manifest:
     generation = 1 + max((int(m.group(1)) for s in old.shards if (m := _GENERATION.match(s.file))), default=0)
     staging = dst / f".append-{generation:04d}"
-    if (staging / MANIFEST_NAME).exists() and load_manifest(staging).source.get("root") != str(Path(src).resolve()):
+    if (staging / MANIFEST_NAME).exists() and load_manifest(staging).source.get("root") != str(src.resolve()):
         shutil.rmtree(staging)  # staged from another source by an append that did not finish: start over
     if not (staging / MANIFEST_NAME).exists():
-        _pack_staged(src, staging, old, labels=labels, label_kind=label_kind, workers=workers,
-                     on_error=on_error, shard_size=shard_size, progress=progress, max_file_bytes=max_file_bytes)
+        _pack_staged(src, staging, old, **options)
     new = load_manifest(staging)
+    if sorted(new.fields, key=lambda f: f.name) == sorted(old.fields, key=lambda f: f.name):
+        new = dataclasses.replace(new, fields=old.fields)  # the labels file's columns in another order
     classes = reconciled_classes([dst, staging], [old, new])
     shards = [_moved_in(staging, dst, shard, f"append-{generation:04d}-{shard.file}") for shard in new.shards]
     fsync_directory(dst)
@@ -71,11 +90,31 @@ def _pack_staged(src: str | os.PathLike, staging: Path, old: Manifest, **options
     """Pack ``src`` into ``staging`` with ``old``'s settings and classes first."""
     if not old.has_sources:
         raise PackError(f"{staging.parent}: a format-version-1 dataset; repack it to append to it")
+    _check_source_fits(src, options["labels"], old, staging.parent)
     spec = TransformSpec.from_description(old.transform)
     pack(src, staging, storage=old.storage, resize=spec.resize, crop=spec.crop, encoding=old.encoding,
          quality=old.jpeg_quality or 90, resampler=spec.resampler,
          max_pixels=old.transform.get("max_pixels", spec.max_pixels),
          fields={field.name: field for field in old.fields}, base_classes=old.classes, **options)
+
+
+def _check_source_fits(src: str | os.PathLike, labels: str | os.PathLike | None, old: Manifest, dst: Path) -> None:
+    """Refuse, before packing anything, a source whose records could not join ``old``'s: labelled where the
+    dataset is not or the other way round, or with other fields (in any order) than the dataset's."""
+    names: list[str] = []
+    if labels is None:  # an image folder: labels from its class folders, no fields
+        where, labelled = Path(src), True
+    else:
+        rows, names = read_label_rows(Path(labels))
+        where, labelled = Path(labels), not rows or rows[0].label is not None
+    if labelled != old.labelled:
+        raise PackError(f"{where}: its images {'have labels' if labelled else 'have no labels'}, but the records of "
+                        f"{dst} {'have' if old.labelled else 'have none'}; an appended source must label every "
+                        "image or none, as the dataset does")
+    expected = [field.name for field in old.fields]
+    if sorted(names) != sorted(expected):
+        raise PackError(f"{where}: fields {', '.join(names) or 'none'} differ from {dst}'s "
+                        f"({', '.join(expected) or 'none'}); an appended source needs the same fields")
 
 
 def _moved_in(staging: Path, dst: Path, shard: ShardInfo, name: str) -> ShardInfo:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -70,7 +70,7 @@ def test_append_refusals_name_the_problem(tmp_path: Path, make_packed_dataset: C
         packer.append(first, tmp_path / "nothing", progress=False)
     labels = tmp_path / "a" / "extra.jsonl"
     labels.write_text(json.dumps({"path": "cat/1-0.png", "label": "cat", "note": "x"}) + "\n")
-    with pytest.raises(PackError, match=r"fields is \[FieldSpec\(name='note'"):
+    with pytest.raises(PackError, match=r"extra\.jsonl: fields note differ from .*ds's \(none\); an appended "):
         packer.append(tmp_path / "a", tmp_path / "ds", labels=labels, workers=0, progress=False)
     result = CliRunner().invoke(main, ["pack", str(first), str(tmp_path / "ds"), "--append", "--resize", "20"])
     assert result.exit_code == 2 and "--append packs with DST's own settings: leave out --resize" in result.stderr
@@ -143,3 +143,84 @@ def test_a_staged_append_from_another_source_is_started_over(tmp_path: Path, mon
     monkeypatch.undo()
     manifest = packer.append(folder(tmp_path / "c", {"fox": 1}, seed=3), tmp_path / "ds", workers=0, progress=False)
     assert manifest.classes == ["cat", "fox"] and PackedDataset(tmp_path / "ds").source(2) == "fox/3-0.png"
+
+
+def labels_csv(path: Path, header: str, *rows: str) -> Path:
+    path.write_text("\n".join([header, *rows]) + "\n")
+    return path
+
+
+def test_an_appended_labels_file_must_have_the_dataset_s_fields_and_labels(tmp_path: Path) -> None:
+    src = folder(tmp_path / "src", {"cat": 2}, seed=1)
+    first = labels_csv(tmp_path / "first.csv", "path,label,tags,score",
+                       'cat/1-0.png,cat,"[""a""]",1.5', 'cat/1-1.png,dog,"[""b""]",2')
+    packer.pack(src, tmp_path / "ds", labels=first, fields={"tags": "labels:a,b"}, workers=0, progress=False)
+    unlabelled = labels_csv(tmp_path / "unlabelled.csv", "path,score", "cat/1-0.png,1")
+    packer.pack(src, tmp_path / "plain", labels=unlabelled, workers=0, progress=False)
+    extra = labels_csv(tmp_path / "extra.csv", "path,label,tags,score,note", 'cat/1-0.png,cat,"[""a""]",1,x')
+    refusals = [
+        (tmp_path / "ds", extra, r"extra\.csv: fields tags, score, note differ from .*ds's \(tags, score\); "
+         r"an appended source needs the same fields"),
+        (tmp_path / "ds", labels_csv(tmp_path / "nolabel.csv", "path,tags,score", 'cat/1-0.png,"[""a""]",1'),
+         r"nolabel\.csv: its images have no labels, but the records of .*ds have; an appended source must "
+         r"label every image or none, as the dataset does"),
+        (tmp_path / "plain", labels_csv(tmp_path / "label.csv", "path,label,score", "cat/1-0.png,cat,1"),
+         r"label\.csv: its images have labels, but the records of .*plain have none; an appended source must "
+         r"label every image or none, as the dataset does"),
+    ]
+    for dst, labels, message in refusals:
+        with pytest.raises(PackError, match=message):
+            packer.append(src, dst, labels=labels, workers=0, progress=False)
+        assert sorted(p.name for p in dst.iterdir()) == ["manifest.json", "part-00000-shard-00000.lmdb"]
+    # the same fields in another column order append, and a rerun after a refusal works
+    reordered = labels_csv(tmp_path / "reordered.csv", "path,score,label,tags", 'cat/1-1.png,3,fox,"[""b""]"')
+    manifest = packer.append(src, tmp_path / "ds", labels=reordered, workers=0, progress=False)
+    assert [f.name for f in manifest.fields] == ["tags", "score"] and manifest.classes == ["cat", "dog", "fox"]
+    ds = PackedDataset(tmp_path / "ds")
+    assert ds.fields(2) == {"tags": ["b"], "score": 3.0} and ds.classes[ds[2][1]] == "fox"
+    assert packer.verify(tmp_path / "ds", deep=True, progress=False).ok
+    assert packer.append(src, tmp_path / "plain", labels=unlabelled, workers=0, progress=False).num_records == 2
+
+
+@pytest.fixture
+def read_only(tmp_path: Path) -> Iterator[Callable[[bool], None]]:
+    """``read_only(True)`` makes ``tmp_path / "ro"`` read-only, ``read_only(False)`` writable again: a tmpfs
+    remounted read-only as root (who may write into a chmod -w folder), chmod 555 otherwise."""
+    where = tmp_path / "ro"
+    where.mkdir()
+    as_root = os.geteuid() == 0
+    if as_root:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs ({done.stderr.decode().strip()})")
+
+    def switch(on: bool) -> None:
+        if as_root:
+            subprocess.run(["mount", "-o", f"remount,{'ro' if on else 'rw'}", str(where)], check=True)
+        else:
+            (where / "ds").chmod(0o555 if on else 0o755)
+
+    try:
+        yield switch
+    finally:
+        if as_root:
+            subprocess.run(["umount", "-l", str(where)], check=False)
+        else:
+            (where / "ds").chmod(0o755)
+
+
+def test_appending_to_a_read_only_dataset_is_one_line_and_leaves_it_as_it_was(
+    tmp_path: Path, read_only: Callable[[bool], None]
+) -> None:
+    dst = tmp_path / "ro" / "ds"
+    packer.pack(folder(tmp_path / "a", {"cat": 2}, seed=1), dst, workers=0, progress=False)
+    second = folder(tmp_path / "b", {"dog": 2}, seed=2)
+    read_only(True)
+    with pytest.raises(PackError, match=r"ds/\.append-0001: (Read-only file system|Permission denied); cannot "
+                                        r"append to .*ds, which still holds the old dataset"):
+        packer.append(second, dst, workers=0, progress=False)
+    result = CliRunner().invoke(main, ["pack", str(second), str(dst), "--append", "--workers", "0", "--quiet"])
+    assert result.exit_code == 1 and len(result.stderr.splitlines()) == 1 and "cannot append" in result.stderr
+    assert len(PackedDataset(dst)) == 2
+    read_only(False)
+    assert packer.append(second, dst, workers=0, progress=False).num_records == 4
