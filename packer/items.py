@@ -13,9 +13,11 @@ unknown name is an error naming the item); integer labels index ``classes`` when
 ``"0".."max"``. Either every item has a label or none has (a dataset without classes). Field types
 come from ``fields`` declarations or from the first item's values (named multi-labels must be declared,
 since their classes cannot be known from one item). A bad item is a ``PackError`` naming its index
-and source name; nothing half-written is left as a dataset (the manifest is written last, and a
-failed pack removes its files). Unlike ``pack``, an interrupted ``pack_items`` does not resume: the
-iterable would have to be read again from its start, so a rerun repacks everything.
+and source name; nothing half-written is left as a dataset (a dataset already in ``dst``, overwritten
+with ``force``, is removed first, its manifest first; the new manifest is written last; a failed pack
+removes its temporaries, and its finished shards are removed by the next run). Unlike ``pack``, an
+interrupted ``pack_items`` does not resume: the iterable would have to be read again from its start,
+so a rerun repacks everything.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from packer.cleanup import cleaned_up_on_failure
-from packer.destination import check_destination
+from packer.destination import check_destination, remove_own_files
 from packer.errors import PackError
 from packer.journal import PlanRecord
 from packer.labels_file import declare_field
@@ -79,6 +81,7 @@ def pack_items(
     dst = Path(dst)
     check_destination(dst, force)
     dst.mkdir(parents=True, exist_ok=True)
+    remove_own_files(dst)  # nothing resumes: a dataset overwritten with force goes, its manifest first
     planner = _Planner(classes, declared)
     with cleaned_up_on_failure(dst, None):
         settings = PackSettings(dst, Path("/"), storage, shard_size, spec, on_error, "items")

@@ -102,3 +102,22 @@ def test_bad_items_are_named(tmp_path: Path, items: list, message: str) -> None:
     with pytest.raises(PackError, match=message):
         packer.pack_items(items, tmp_path / "out", workers=0, progress=False)
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_failed_forced_repack_does_not_leave_the_old_manifest_over_new_shards(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+
+    def items(count: int, fail_at: int | None = None):
+        for k in range(count):
+            if k == fail_at:
+                raise RuntimeError(f"the source broke at item {k}")
+            yield {"image": rng.integers(0, 256, (8, 12, 3), dtype=np.uint8), "label": "ab"[k % 2]}
+
+    dst = tmp_path / "out"
+    packer.pack_items(items(6), dst, workers=0, progress=False, partition_size=2)
+    with pytest.raises(RuntimeError, match="the source broke at item 5"):
+        packer.pack_items(items(6, fail_at=5), dst, workers=0, progress=False, partition_size=2, force=True)
+    assert not (dst / "manifest.json").exists()  # the old manifest would list shards overwritten since
+    assert packer.pack_items(items(6), dst, workers=0, progress=False, partition_size=2).num_records == 6
+    assert packer.verify(dst, deep=True, progress=False).ok
+
