@@ -57,7 +57,8 @@ def assemble_manifest(plan: PlanRecord, records: list[PartRecord]) -> Manifest:
     packed = sum(r.records for r in records)
     source = dict(plan.manifest["source"])
     if packed == 0:
-        raise PackError(f"{source['root']}: every one of the {source['files']} images was skipped; nothing to pack")
+        where = source["root"] if source.get("root") is not None else "pack_items"  # items have no root
+        raise PackError(f"{where}: every one of the {source['files']} images was skipped; nothing to pack")
     source.update(packed=packed, skipped=[{"path": s.path, "reason": s.reason} for s in skipped])
     fields = [FieldSpec.from_json(f, PLAN_NAME) for f in plan.manifest.get("fields", [])]
     shards = [s for r in records for s in r.shards]

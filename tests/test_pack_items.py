@@ -121,3 +121,9 @@ def test_a_failed_forced_repack_does_not_leave_the_old_manifest_over_new_shards(
     assert packer.pack_items(items(6), dst, workers=0, progress=False, partition_size=2).num_records == 6
     assert packer.verify(dst, deep=True, progress=False).ok
 
+
+def test_every_item_skipped_is_one_line_naming_pack_items(tmp_path: Path) -> None:
+    with pytest.raises(PackError, match=r"^pack_items: every one of the 2 images was skipped; nothing to pack$"):
+        packer.pack_items([{"image": b"not an image"}, {"image": b"nor this"}], tmp_path / "out", workers=0,
+                          progress=False, on_error="skip")
+    assert not (tmp_path / "out" / "manifest.json").exists()
