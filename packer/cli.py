@@ -238,14 +238,16 @@ def info_command(dataset: Path, as_json: bool, with_classes: bool) -> None:
         click.echo(f"  class {name}: {count}")
 
 
-@main.command("show")
+@main.command("show", context_settings={"ignore_unknown_options": True})  # -1: an index (the last), not an option
 @click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("indices", nargs=-1, required=True, type=int)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
               help="Folder to write the PNG files into.")
 @click.option("--sheet", is_flag=True, help="One contact sheet (sheet.png) instead of one PNG per record.")
 def show_command(dataset: Path, indices: tuple[int, ...], out: Path, sheet: bool) -> None:
-    """Write records INDICES of DATASET as PNG files, with their label, source path and fields."""
+    """Write records INDICES of DATASET as PNG files, with their label, source path and fields.
+
+    A negative index counts from the end (-1 is the last record)."""
     try:
         shown = show(dataset, list(indices), out, sheet=sheet)
     except (PackError, FormatError) as e:

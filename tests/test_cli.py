@@ -122,3 +122,14 @@ def test_bad_option_values_are_usage_errors(args: list[str], message: str) -> No
 def test_bench_takes_comma_separated_orders_and_workers() -> None:
     assert CommaSeparated(click.IntRange(min=0)).convert("1, 2,4", None, None) == [1, 2, 4]
     assert CommaSeparated(click.STRING).convert("sequential,quasi_random", None, None) == ["sequential", "quasi_random"]
+
+
+def test_show_takes_negative_indices_and_names_one_out_of_range(tmp_path: Path) -> None:
+    fixture = Path(__file__).parent / "fixtures" / "v1-lmdb"  # 5 records, format version 1: no source paths
+    code, out, err = run("show", fixture, "-1", "0", "--out", tmp_path / "shown")
+    assert code == 0, err
+    assert out.splitlines() == [f"4: cat (source not stored) -> {tmp_path / 'shown' / 'record-00000004.png'}",
+                                f"0: cat (source not stored) -> {tmp_path / 'shown' / 'record-00000000.png'}"]
+    code, out, err = run("show", fixture, "-6", "--out", tmp_path / "none")
+    assert code == 1 and err == f"Error: {fixture}: index -6 is out of range for 5 records\n"
+    assert not (tmp_path / "none").exists()
