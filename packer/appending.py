@@ -13,13 +13,13 @@ dataset intact; rerunning the same command finishes it.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+from packer.destination import unwritable
 from packer.errors import PackError
 from packer.joining import reconciled_classes
 from packer.labels_file import read_label_rows
@@ -49,21 +49,17 @@ def append(
 
     A source that labels its images where the dataset does not (or the other way round), or whose
     labels file has other fields than the dataset's (in any column order), is refused before anything is
-    packed; a ``dst`` that cannot be written (read-only, no permission) is a ``PackError`` naming the file,
-    and the old dataset stays as it was."""
+    packed, and so is a ``dst`` that cannot be written (read-only, no permission)."""
     dst = Path(dst)
     try:
         old = load_manifest(dst)
     except FormatError as e:
         raise PackError(f"--append: {e}") from None
-    try:
-        return _append(Path(src), dst, old, labels=labels, label_kind=label_kind, workers=workers,
-                       on_error=on_error, shard_size=shard_size, progress=progress, max_file_bytes=max_file_bytes)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        raise PackError(f"{e.filename or dst}: {e.strerror}; cannot append to {dst}, which still holds the old "
-                        "dataset") from None
+    problem = unwritable(dst)
+    if problem:
+        raise PackError(f"{dst}: cannot append: {problem} (the dataset is left as it was)")
+    return _append(Path(src), dst, old, labels=labels, label_kind=label_kind, workers=workers,
+                   on_error=on_error, shard_size=shard_size, progress=progress, max_file_bytes=max_file_bytes)
 
 
 def _append(src: Path, dst: Path, old: Manifest, **options: Any) -> Manifest:

@@ -1,11 +1,14 @@
 """The output directory: which files in it are the packer's, and when it may be written to.
 
 A finished dataset (``manifest.json`` present) is never overwritten without ``force``, and neither is
-a directory holding files the packer did not write. Leftovers of an interrupted pack (shard files,
-their temporaries, the plan and partition records) are the packer's own and may be removed.
+a directory holding files the packer did not write. A destination that cannot be written (a read-only
+file system, no permission) is refused before any work, not found out by the first shard. Leftovers
+of an interrupted pack (shard files, their temporaries, the plan and partition records) are the
+packer's own and may be removed.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Iterable
@@ -43,7 +46,11 @@ def is_own_file(name: str) -> bool:
 
 
 def check_destination(dst: Path, force: bool) -> None:
-    """Refuse a DST that holds a finished dataset or someone else's files, unless ``force``."""
+    """Refuse a DST that cannot be written, or that holds a finished dataset or someone else's files
+    (unless ``force``)."""
+    problem = unwritable(dst)
+    if problem:
+        raise PackError(f"{dst}: cannot write the dataset here: {problem}")
     if not dst.exists():
         return
     if not dst.is_dir():
@@ -59,6 +66,20 @@ def check_destination(dst: Path, force: bool) -> None:
             f"{dst}: destination holds files the packer did not write ({shown}); "
             "choose an empty or new directory, or pass --force to pack into it anyway"
         )
+
+
+def unwritable(dst: Path) -> str | None:
+    """Why ``dst`` (or, when it does not exist yet, the nearest folder it would be made in) cannot be
+    written, or None. ``access`` answers as the kernel would for this user: root may write into a
+    read-only folder, nobody into a read-only file system."""
+    where = dst
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if os.access(where, os.W_OK | os.X_OK):
+        return None
+    if os.statvfs(where).f_flag & os.ST_RDONLY:
+        return f"{where} is on a read-only file system"
+    return f"no permission to write in {where}"
 
 
 def partition_files(dst: Path, partitions: Iterable[int]) -> set[str]:

@@ -1,8 +1,10 @@
 """Shared fixtures: small real image folders written with PIL, and packed datasets made from them."""
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 from pack_helpers import smooth_rgb
@@ -61,3 +63,32 @@ def raw_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     labels = [i % 3 for i in range(SMALL_RAW_COUNT)]
     return pack_images(dst, make_images(SMALL_RAW_COUNT, [(16, 16)]), labels,
                        storage="lmdb", encoding="raw", records_per_shard=10).path
+
+
+@pytest.fixture
+def read_only(tmp_path: Path) -> Iterator[Callable[[bool], None]]:
+    """``read_only(True)`` makes the folder ``tmp_path / "ro"`` and everything in it read-only,
+    ``read_only(False)`` writable again: a tmpfs remounted read-only as root (who may write into a
+    chmod -w folder), every folder chmod 555 otherwise."""
+    where = tmp_path / "ro"
+    where.mkdir()
+    as_root = os.geteuid() == 0
+    if as_root:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs ({done.stderr.decode().strip()})")
+
+    def switch(on: bool) -> None:
+        if as_root:
+            subprocess.run(["mount", "-o", f"remount,{'ro' if on else 'rw'}", str(where)], check=True)
+        else:
+            for folder in [where, *(p for p in where.rglob("*") if p.is_dir())]:
+                folder.chmod(0o555 if on else 0o755)
+
+    try:
+        yield switch
+    finally:
+        if as_root:
+            subprocess.run(["umount", "-l", str(where)], check=False)
+        else:
+            switch(False)

@@ -146,3 +146,25 @@ def test_failed_background_publish_leaves_no_temporary(tmp_path: Path, storage: 
             raise
     assert error.value.filename.endswith(".tmp")
     assert temporaries(tmp_path) == [] and shards.shards == []
+
+
+def test_a_destination_that_cannot_be_written_is_refused_before_packing(
+    noisy_src: Path, tmp_path: Path, read_only
+) -> None:
+    """A read-only file system (or, not as root, a read-only folder): one line from the CLI, a PackError
+    from pack, pack_items and join, and nothing made there; once writable, the same pack works."""
+    packer.pack(noisy_src, tmp_path / "ro" / "done", workers=0, progress=False)
+    read_only(True)
+    dst = tmp_path / "ro" / "new"
+    reason = r"(.*ro is on a read-only file system|no permission to write in .*ro)"
+    line = assert_one_line_error(run_cli("pack", noisy_src, dst, "--quiet"), str(dst))
+    assert "cannot write the dataset here" in line
+    with pytest.raises(packer.PackError, match=rf"ro/new: cannot write the dataset here: {reason}$"):
+        packer.pack(noisy_src, dst, workers=0, progress=False)
+    with pytest.raises(packer.PackError, match=rf"ro/new: cannot write the dataset here: {reason}$"):
+        packer.pack_items([{"image": Image.new("RGB", (8, 8)), "label": 0}], dst, progress=False)
+    with pytest.raises(packer.PackError, match=rf"ro/new: cannot write the dataset here: {reason}$"):
+        packer.join_datasets(dst, [tmp_path / "ro" / "done"] * 2)
+    assert not dst.exists()
+    read_only(False)
+    assert packer.pack(noisy_src, dst, workers=0, progress=False).num_records == 40
