@@ -86,7 +86,7 @@ def _pack_staged(src: str | os.PathLike, staging: Path, old: Manifest, **options
     """Pack ``src`` into ``staging`` with ``old``'s settings and classes first."""
     if not old.has_sources:
         raise PackError(f"{staging.parent}: a format-version-1 dataset; repack it to append to it")
-    _check_source_fits(src, options["labels"], old, staging.parent)
+    _check_source_fits(src, options["labels"], options["label_kind"], old, staging.parent)
     spec = TransformSpec.from_description(old.transform)
     pack(src, staging, storage=old.storage, resize=spec.resize, crop=spec.crop, encoding=old.encoding,
          quality=old.jpeg_quality or 90, resampler=spec.resampler,
@@ -94,15 +94,26 @@ def _pack_staged(src: str | os.PathLike, staging: Path, old: Manifest, **options
          fields={field.name: field for field in old.fields}, base_classes=old.classes, **options)
 
 
-def _check_source_fits(src: str | os.PathLike, labels: str | os.PathLike | None, old: Manifest, dst: Path) -> None:
+def _check_source_fits(
+    src: str | os.PathLike, labels: str | os.PathLike | None, label_kind: str, old: Manifest, dst: Path
+) -> None:
     """Refuse, before packing anything, a source whose records could not join ``old``'s: labelled where the
-    dataset is not or the other way round, or with other fields (in any order) than the dataset's."""
+    dataset is not or the other way round, with other fields (in any order) than the dataset's, or with
+    integer labels (class indices) for a dataset whose classes are names, which would silently become
+    new classes "0", "1", ..."""
     names: list[str] = []
     if labels is None:  # an image folder: labels from its class folders, no fields
         where, labelled = Path(src), True
     else:
         rows, names = read_label_rows(Path(labels))
         where, labelled = Path(labels), not rows or rows[0].label is not None
+        values = [row.label for row in rows if row.label is not None]
+        indices = label_kind == "index" or (label_kind == "auto" and values and all(v.isdecimal() for v in values))
+        named = [name for name in old.classes if not name.isdecimal()]
+        if labelled and indices and named:
+            raise PackError(f"{where}: its labels are class indices, but the classes of {dst} are names "
+                            f"({', '.join(named[:3])}{', ...' if len(named) > 3 else ''}); write the class "
+                            "names, or pass --label-kind name to add the numbers as new classes")
     if labelled != old.labelled:
         raise PackError(f"{where}: its images {'have labels' if labelled else 'have no labels'}, but the records of "
                         f"{dst} {'have' if old.labelled else 'have none'}; an appended source must label every "

@@ -72,9 +72,17 @@ def test_append_refusals_name_the_problem(tmp_path: Path, make_packed_dataset: C
     labels.write_text(json.dumps({"path": "cat/1-0.png", "label": "cat", "note": "x"}) + "\n")
     with pytest.raises(PackError, match=r"extra\.jsonl: fields note differ from .*ds's \(none\); an appended "):
         packer.append(tmp_path / "a", tmp_path / "ds", labels=labels, workers=0, progress=False)
+    numbered = tmp_path / "a" / "numbered.csv"
+    numbered.write_text("path,label\ncat/1-0.png,0\n")
+    with pytest.raises(PackError, match=r"numbered\.csv: its labels are class indices, but the classes of .*ds are "
+                                        r"names \(cat\); write the class names, or pass --label-kind name"):
+        packer.append(tmp_path / "a", tmp_path / "ds", labels=numbered, workers=0, progress=False)
     result = CliRunner().invoke(main, ["pack", str(first), str(tmp_path / "ds"), "--append", "--resize", "20"])
     assert result.exit_code == 2 and "--append packs with DST's own settings: leave out --resize" in result.stderr
     assert len(PackedDataset(tmp_path / "ds")) == 2  # unchanged by the refused appends
+    appended = packer.append(tmp_path / "a", tmp_path / "ds", labels=numbered, label_kind="name", workers=0,
+                             progress=False)
+    assert appended.classes == ["cat", "0"] and appended.num_records == 3
 
 
 def test_an_interrupted_append_leaves_the_old_dataset_and_a_rerun_finishes_it(
