@@ -251,7 +251,9 @@ def load_raw_record(source: ImageSource, spec: TransformSpec) -> tuple[bytes, in
     """``load_image`` then the ``raw`` encoding: ``(payload, height, width)``, the same bytes as
     ``encoding("raw").encode(load_image(path, spec), ...)``. With the torch resampler the channel-major
     payload
-    comes straight from the resized tensor, skipping a PIL image (0.2-0.3 ms an image here)."""
+    comes straight from the resized tensor, skipping a PIL image (0.2-0.3 ms an image here); with PIL's,
+    the bands are read straight from the RGBX image the fast JPEG decode gives, skipping its conversion
+    to RGB (0.05 ms)."""
     return _load(source, spec, _raw_record)
 
 
@@ -305,7 +307,7 @@ def _raw_record(
     if spec.resampler == "torch" and out.size != target and (inside or box is None):
         pixels = torch_resize(out, target, box)  # (3, H, W)
         return pixels.contiguous().numpy().tobytes(), pixels.shape[1], pixels.shape[2]
-    image = _resized_image(out, opened, target, spec)
+    image = resize_and_crop(out, target, spec.pil_crop, spec.resampler)  # RGB or RGBX: the same bands
     return encoding("raw").encode(image, spec.quality), image.height, image.width
 
 

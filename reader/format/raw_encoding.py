@@ -13,6 +13,7 @@ class RawEncoding(Encoding):
     size_rule = "3*H*W bytes"
 
     def encode(self, image: Image.Image, quality: int) -> bytes:
+        """The planes of an RGB image, or of an RGBX one (PIL's in-memory layout of RGB: the same bands)."""
         return b"".join(image.tobytes("raw", band) for band in "RGB")  # one plane per channel
 
     def payload_nbytes(self, height: np.ndarray, width: np.ndarray) -> np.ndarray:
