@@ -81,8 +81,11 @@ class PackedDataset(Dataset):
         decode_threads: int = 1,
         verify: str = "tables",
     ) -> None:
-        if block_bytes < 1:
-            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        block_bytes = _int_argument("block_bytes", block_bytes, 1)
+        max_gap = _int_argument("max_gap", max_gap, 0)
+        for name, flag in (("fast_decode", fast_decode), ("readahead", readahead)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         if verify not in VERIFY_LEVELS:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, got {verify!r}")
         self.path = Path(path)
@@ -127,15 +130,16 @@ class PackedDataset(Dataset):
     def source(self, index: int) -> str | None:
         """Where record ``index`` came from: its path relative to the packed source (or the name the
         packing code gave it); None for a format-version-1 dataset, which does not store it."""
+        record = int(self._checked_indices([index])[0])
         if not self.manifest.has_sources:
             return None
-        return self.record_fields.columns([SOURCE])[SOURCE].value(int(self._checked_indices([index])[0]))
+        return self.record_fields.columns([SOURCE])[SOURCE].value(record)
 
     def fields(self, index: int) -> dict[str, Any]:
         """Record ``index``'s extra fields as plain Python values (``reader.format.fields``)."""
+        record = int(self._checked_indices([index])[0])
         if not self.manifest.fields:
             return {}
-        record = int(self._checked_indices([index])[0])
         columns = self.record_fields.columns([field.name for field in self.manifest.fields])
         return {name: column.value(record) for name, column in columns.items()}
 
@@ -214,11 +218,11 @@ class PackedDataset(Dataset):
             return idx.astype(np.int64).reshape(0)
         if idx.dtype.kind not in "iu" or idx.ndim != 1:
             raise TypeError(f"{self.path}: indices must be a flat sequence of ints, got {indices!r:.80}")
-        idx = idx.astype(np.int64)
         n = len(self)
-        bad = (idx < -n) | (idx >= n)
+        bad = (idx < -n) | (idx >= n)  # before the cast, so a huge unsigned index is named as given
         if bad.any():
             raise IndexError(f"{self.path}: index {idx[bad][0]} is out of range for {n} records")
+        idx = idx.astype(np.int64)
         return np.where(idx < 0, idx + n, idx)
 
     def _read_raw(self, idx: np.ndarray, allocate: Allocator) -> Images:
@@ -288,7 +292,18 @@ def _private_batch(shape: tuple[int, ...]) -> torch.Tensor:
 
 def _split(tensor: torch.Tensor, nbytes: np.ndarray) -> list[memoryview]:
     """Consecutive byte ranges of a C-contiguous uint8 tensor, one per record."""
+    if len(nbytes) == 0:  # an empty batch: memoryview cannot cast a view with a zero in its shape
+        return []
     return _split_view(tensor.numpy().data.cast("B"), nbytes)
+
+
+def _int_argument(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int, or ``TypeError``/``ValueError`` naming the argument, the value and what is allowed."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be {'positive' if minimum == 1 else f'{minimum} or more'}, got {value}")
+    return int(value)
 
 
 def _split_view(view: memoryview, nbytes: np.ndarray) -> list[memoryview]:

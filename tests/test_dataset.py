@@ -144,6 +144,48 @@ def test_out_of_range_index(packed):
         ds[1.5]
 
 
+def test_empty_batch(packed):
+    ds = PackedDataset(packed.path)
+    images, labels = ds.read_batch([])
+    assert images.shape == (0, 3, *SIZE) and images.dtype == torch.uint8
+    assert labels.shape == (0,) and labels.dtype == torch.int64
+    assert ds.__getitems__(np.zeros(0, np.int32)) == []
+
+
+def test_huge_unsigned_index_is_named_as_given(packed):
+    ds = PackedDataset(packed.path)
+    with pytest.raises(IndexError, match=f"index {2**63 + 5} is out of range for {COUNT} records"):
+        ds.read_batch(np.array([2**63 + 5], np.uint64))
+    assert ds.read_batch(np.array([3, 1], np.int32))[1].tolist() == [packed.labels[3], packed.labels[1]]
+
+
+def test_fields_and_source_check_the_index_without_fields(packed):
+    ds = PackedDataset(packed.path)
+    assert ds.manifest.fields == [] and ds.fields(COUNT - 1) == {}
+    for method in (ds.fields, ds.source):
+        with pytest.raises(IndexError, match=f"index {COUNT} is out of range for {COUNT} records"):
+            method(COUNT)
+        with pytest.raises(IndexError, match=f"index {-COUNT - 1} is out of range"):
+            method(-COUNT - 1)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"block_bytes": "8"}, TypeError, "block_bytes must be an int, got '8'"),
+    ({"block_bytes": 1.5}, TypeError, "block_bytes must be an int, got 1.5"),
+    ({"block_bytes": None}, TypeError, "block_bytes must be an int, got None"),
+    ({"max_gap": -1}, ValueError, "max_gap must be 0 or more, got -1"),
+    ({"max_gap": "4096"}, TypeError, "max_gap must be an int, got '4096'"),
+    ({"readahead": "no"}, TypeError, "readahead must be True or False, got 'no'"),
+    ({"fast_decode": None}, TypeError, "fast_decode must be True or False, got None"),
+    ({"decode_threads": "2"}, TypeError, "decode_threads must be an int, got '2'"),
+])
+def test_bad_argument_types_are_named(tmp_path, images, options, error, message):
+    path = pack_one_shard(tmp_path, images[:2], "lmdb", "raw").path
+    with pytest.raises(error, match=f"^{message}$"):
+        PackedDataset(path, **options)
+    assert len(PackedDataset(path, block_bytes=np.int64(1 << 20), max_gap=0, readahead=np.bool_(False))) == 2
+
+
 def test_shard_truncated_after_open_is_noticed(tmp_path, images):
     packed = pack_images(tmp_path / "packed", images, labels_for(COUNT), storage="hdf5",
                          encoding="raw", records_per_shard=10)
