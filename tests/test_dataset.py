@@ -186,6 +186,12 @@ def test_bad_argument_types_are_named(tmp_path, images, options, error, message)
     assert len(PackedDataset(path, block_bytes=np.int64(1 << 20), max_gap=0, readahead=np.bool_(False))) == 2
 
 
+def test_a_file_is_not_a_dataset(tmp_path, images):
+    path = pack_one_shard(tmp_path, images[:2], "lmdb", "raw").path
+    with pytest.raises(FormatError, match="manifest.json: not a directory"):
+        PackedDataset(path / "manifest.json")
+
+
 def test_shard_truncated_after_open_is_noticed(tmp_path, images):
     packed = pack_images(tmp_path / "packed", images, labels_for(COUNT), storage="hdf5",
                          encoding="raw", records_per_shard=10)

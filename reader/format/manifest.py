@@ -136,8 +136,11 @@ def load_manifest(directory: str | os.PathLike) -> Manifest:
     path = Path(directory) / MANIFEST_NAME
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         fd = None
+    except NotADirectoryError:
+        raise FormatError(f"{directory}: not a directory (a packed dataset is a directory holding its "
+                          f"{MANIFEST_NAME})") from None
     except OSError as e:
         raise FormatError(f"{path}: cannot be opened ({e.strerror})") from None
     if fd is None:
