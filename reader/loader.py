@@ -244,6 +244,11 @@ def make_loader(
     if evaluation and (drop_last or not pad):
         raise ValueError("make_loader(evaluation=True) covers every sample exactly once: it needs "
                          "drop_last=False and pad=True")
+    if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer))):
+        raise TypeError(f"num_workers must be an int (0 reads in the calling process) or None, got {num_workers!r}")
+    if isinstance(fields, str):
+        raise TypeError(f"fields must be a list of field names, got the string {fields!r} "
+                        f"(for one field: fields=[{fields!r}])")
     view = PackedView(dataset)
     if fields is not None:
         view.check_fields(fields)

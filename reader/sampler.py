@@ -30,18 +30,19 @@ records seen twice and others never.
 
 Resume: ``start`` skips the first ``start`` samples of this rank's epoch order. It is part of
 ``state_dict()`` and stays in force until ``set_epoch`` moves to another epoch. The state records the
-``world_size``; ranks run in lockstep (equal batches), so after ``start`` samples on each of ``w``
-ranks the epoch's unseen samples are the tails of the ``w`` slices. Loaded with another world size,
-the sampler continues the same epoch with exactly those: their concatenation, in order, is split
-again between the new ranks (``history`` holds each such change). Nothing is lost or repeated (apart
-from wrapped duplicates when the rest does not divide evenly, flagged in ``rank_share``), and the next
-epochs are the new world size's ordinary epochs. Continuing was chosen over refusing because jobs are
-often resumed on whatever number of GPUs is free, and an epoch of a large dataset is too long to throw
-away.
+number of records (a state saved over a dataset of another size is refused) and the ``world_size``;
+ranks run in lockstep (equal batches), so after ``start`` samples on each of ``w`` ranks the epoch's
+unseen samples are the tails of the ``w`` slices. Loaded with another world size, the sampler continues
+the same epoch with exactly those: their concatenation, in order, is split again between the new ranks
+(``history`` holds each such change). Nothing is lost or repeated (apart from wrapped duplicates when
+the rest does not divide evenly, flagged in ``rank_share``), and the next epochs are the new world
+size's ordinary epochs. Continuing was chosen over refusing because jobs are often resumed on whatever
+number of GPUs is free, and an epoch of a large dataset is too long to throw away.
 """
 from __future__ import annotations
 
-from typing import Iterator, cast
+import numbers
+from typing import Any, Iterator, cast
 
 import numpy as np
 import torch.distributed as dist
@@ -81,6 +82,7 @@ class ShardSampler(Sampler[int]):
         rank, world_size = rank_and_world_size(rank, world_size)
         if buffer_blocks < 1:
             raise ValueError(f"buffer_blocks must be positive, got {buffer_blocks}")
+        seed = _whole("seed", seed)
         view = as_view(dataset)
         self.num_records = len(view)
         self.order = order
@@ -103,6 +105,7 @@ class ShardSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order to yield; moving to another epoch clears ``start``."""
+        epoch = _whole("epoch", epoch)
         if epoch != self.epoch:
             self.start = 0
             self.history = []
@@ -110,28 +113,46 @@ class ShardSampler(Sampler[int]):
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "seed": self.seed, "order": self.order, "start": self.start,
-                "world_size": self.world_size, "history": [list(step) for step in self.history]}
+                "world_size": self.world_size, "history": [list(step) for step in self.history],
+                "records": self.num_records}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``: the next iteration yields what the saved run would have next.
 
         A state saved with another world size continues the same epoch: the samples the saved ranks
         had not reached yet are split between this run's ranks (module docstring). A state without
-        ``world_size`` (saved before it was recorded) is taken as this run's world size.
+        ``world_size`` (saved before it was recorded) is taken as this run's world size. A state saved
+        over a dataset of another size (``records``; not checked in states saved before it was recorded)
+        or with a missing or mistyped entry raises ``ValueError``/``TypeError`` naming it.
         """
+        if not isinstance(state, dict):
+            raise TypeError(f"load_state_dict takes the dict state_dict() returned, got {type(state).__name__}")
+        missing = [key for key in ("epoch", "seed", "order", "start") if key not in state]
+        if missing:
+            raise ValueError(f"saved state has no {', '.join(missing)} (a state_dict() has epoch, seed, order, "
+                             f"start, world_size, history and records), got keys {sorted(map(str, state))}")
         if state["order"] != self.order:
             raise ValueError(f"saved state is for order {state['order']!r}, this sampler uses "
                              f"{self.order!r}")
-        history = [(int(world), int(start)) for world, start in state.get("history", [])]
-        saved_world = int(state.get("world_size", self.world_size))
-        start = int(state["start"])
+        if "records" in state and _whole("saved records", state["records"]) != self.num_records:
+            raise ValueError(f"saved state is for a dataset of {state['records']} records, this sampler's has "
+                             f"{self.num_records}")
+        epoch, seed = _whole("saved epoch", state["epoch"]), _whole("saved seed", state["seed"])
+        steps = state.get("history", [])
+        if not isinstance(steps, (list, tuple)) or not all(
+                isinstance(step, (list, tuple)) and len(step) == 2 for step in steps):
+            raise ValueError(f"saved history must be a list of [world_size, start] pairs, got {steps!r:.80}")
+        history = [(_whole("saved history world_size", world, 1), _whole("saved history start", start))
+                   for world, start in steps]
+        saved_world = _whole("saved world_size", state.get("world_size", self.world_size), 1)
+        start = _whole("saved start", state["start"])
         if saved_world != self.world_size:
             history, start = [*history, (saved_world, start)], 0
         remaining = self._remaining(history)
         per_rank = self._fitted(remaining, self.world_size) // self.world_size
         if not 0 <= start <= per_rank:
             raise ValueError(f"saved start {start} is outside this rank's {per_rank} samples")
-        self.epoch, self.seed, self.history, self.start = state["epoch"], state["seed"], history, start
+        self.epoch, self.seed, self.history, self.start = epoch, seed, history, start
 
     def __len__(self) -> int:
         return self.samples_per_rank - self.start
@@ -193,6 +214,16 @@ class ShardSampler(Sampler[int]):
             return order[:total], valid[:total]
         wrapped = np.resize(np.arange(len(order)), total)
         return order[wrapped], valid[wrapped] & (np.arange(total) < len(order))
+
+
+def _whole(name: str, value: Any, minimum: int = 0) -> int:
+    """``value`` as an int of at least ``minimum``; ``TypeError``/``ValueError`` naming ``name`` otherwise
+    (numpy's generators take only non-negative seeds and epochs)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be {minimum} or more, got {value}")
+    return int(value)
 
 
 def _check_same_on_every_rank(values: dict) -> None:

@@ -107,7 +107,7 @@ def test_resume_mid_epoch_equals_uninterrupted(raw_path, num_workers):
     seen = [next(batches)[0] for _ in range(2)]
     state = first.state_dict()
     assert state == {"epoch": 3, "seed": 7, "order": "quasi_random", "start": 2 * BATCH, "world_size": 1,
-                     "history": []}
+                     "history": [], "records": COUNT}
 
     resumed = make_loader(ds, BATCH, num_workers=num_workers, seed=0, drop_last=True)
     resumed.load_state_dict(state)
@@ -180,3 +180,30 @@ def test_pinned_batches_from_workers(raw_path):
             assert torch.equal(row, ds[seen][0])
             seen += 1
     assert seen == COUNT
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"batch_size": 1.5}, TypeError, "batch_size must be an int, got 1.5"),
+    ({"batch_size": None}, TypeError, "batch_size must be an int, got None"),
+    ({"batch_size": 0}, ValueError, "batch_size must be positive, got 0"),
+    ({"num_workers": 1.5}, TypeError, r"num_workers must be an int \(0 reads in the calling process\) or None, "
+                                      "got 1.5"),
+    ({"seed": None}, TypeError, "seed must be an int, got None"),
+    ({"fields": "source"}, TypeError, r"fields must be a list of field names, got the string 'source' "
+                                      r"\(for one field: fields=\['source'\]\)"),
+])
+def test_bad_arguments_are_named(raw_path, options, error, message):
+    with pytest.raises(error, match=f"^{message}$"):
+        make_loader(PackedDataset(raw_path), **{"batch_size": BATCH, "num_workers": 0, **options})
+
+
+def test_state_from_a_dataset_of_another_size_is_refused(raw_path):
+    loader = make_loader(PackedDataset(raw_path), BATCH, num_workers=0)
+    assert loader.state_dict()["start"] == 0 and len(loader) == -(-COUNT // BATCH)
+    next(iter(loader))
+    state = loader.state_dict()
+    smaller = make_loader(torch.utils.data.Subset(PackedDataset(raw_path), range(COUNT - 3)), BATCH, num_workers=0)
+    with pytest.raises(ValueError, match=f"^saved state is for a dataset of {COUNT} records, this sampler's has "
+                                         f"{COUNT - 3}$"):
+        smaller.load_state_dict(state)
+    assert len(smaller) == -(-(COUNT - 3) // BATCH), "the refused state left the loader as it was"

@@ -152,7 +152,8 @@ def test_resume_skips_what_was_consumed():
     state["start"] = 20
     resumed = ShardSampler(DATASET, seed=0, rank=1, world_size=2)
     resumed.load_state_dict(state)
-    assert state == {"epoch": 4, "seed": 9, "order": "quasi_random", "start": 20, "world_size": 2, "history": []}
+    assert state == {"epoch": 4, "seed": 9, "order": "quasi_random", "start": 20, "world_size": 2, "history": [],
+                     "records": N}
     assert len(resumed) == len(full) - 20
     resumed.set_epoch(4)
     assert list(resumed) == full[20:]
@@ -167,6 +168,67 @@ def test_invalid_arguments():
         ShardSampler(DATASET, rank=2, world_size=2)
     with pytest.raises(ValueError, match="order"):
         ShardSampler(DATASET).load_state_dict({"epoch": 0, "seed": 0, "order": "random", "start": 0})
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"seed": "a"}, TypeError, "seed must be an int, got 'a'"),
+    ({"seed": None}, TypeError, "seed must be an int, got None"),
+    ({"seed": 1.5}, TypeError, "seed must be an int, got 1.5"),
+    ({"seed": -1}, ValueError, "seed must be 0 or more, got -1"),
+    ({"rank": 1.0, "world_size": 2}, TypeError, "rank must be an int, got 1.0"),
+    ({"rank": 0, "world_size": "2"}, TypeError, "world_size must be an int, got '2'"),
+    ({"rank": -1, "world_size": 2}, ValueError, "rank -1 is not in range for world_size 2"),
+    ({"rank": 0, "world_size": 0}, ValueError, "rank 0 is not in range for world_size 0"),
+])
+def test_bad_seed_rank_and_world_size_are_named(options, error, message):
+    with pytest.raises(error, match=f"^{message}$"):
+        ShardSampler(DATASET, **options)
+    assert len(ShardSampler(DATASET, seed=np.int64(3), rank=np.int32(1), world_size=2)) == -(-N // 2)
+
+
+def test_set_epoch_takes_an_epoch_numpy_can_seed():
+    sampler = ShardSampler(DATASET)
+    with pytest.raises(ValueError, match="^epoch must be 0 or more, got -1$"):
+        sampler.set_epoch(-1)
+    with pytest.raises(TypeError, match="^epoch must be an int, got 1.5$"):
+        sampler.set_epoch(1.5)
+
+
+GOOD_STATE = {"epoch": 2, "seed": 5, "order": "quasi_random", "start": 10, "world_size": 1, "history": [],
+              "records": N}
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ({"records": N - 1}, ValueError, f"saved state is for a dataset of {N - 1} records, this sampler's has {N}"),
+    ({"epoch": None}, TypeError, "saved epoch must be an int, got None"),
+    ({"epoch": -1}, ValueError, "saved epoch must be 0 or more, got -1"),
+    ({"seed": "x"}, TypeError, "saved seed must be an int, got 'x'"),
+    ({"start": 1.5}, TypeError, "saved start must be an int, got 1.5"),
+    ({"start": -1}, ValueError, "saved start must be 0 or more, got -1"),
+    ({"world_size": 0}, ValueError, "saved world_size must be 1 or more, got 0"),
+    ({"history": None}, ValueError, r"saved history must be a list of \[world_size, start\] pairs, got None"),
+    ({"history": [[2]]}, ValueError, r"saved history must be a list of \[world_size, start\] pairs, got \[\[2\]\]"),
+    ({"history": [[0, 0]]}, ValueError, "saved history world_size must be 1 or more, got 0"),
+])
+def test_corrupted_or_foreign_state_is_refused_naming_the_entry(change, error, message):
+    sampler = ShardSampler(DATASET, seed=1)
+    with pytest.raises(error, match=f"^{message}$"):
+        sampler.load_state_dict({**GOOD_STATE, **change})
+    assert sampler.state_dict() == {**GOOD_STATE, "epoch": 0, "seed": 1, "start": 0}, "left as it was"
+    sampler.load_state_dict(GOOD_STATE)
+    assert sampler.state_dict() == GOOD_STATE
+    sampler.load_state_dict({key: GOOD_STATE[key] for key in ("epoch", "seed", "order", "start")})  # older states
+    assert sampler.state_dict() == GOOD_STATE
+
+
+def test_state_missing_an_entry_or_not_a_dict():
+    sampler = ShardSampler(DATASET)
+    with pytest.raises(ValueError, match=r"^saved state has no epoch, start \(a state_dict\(\) has epoch, seed, "
+                                         r"order, start, world_size, history and records\), got keys \['order', "
+                                         r"'seed'\]$"):
+        sampler.load_state_dict({"order": "quasi_random", "seed": 0})
+    with pytest.raises(TypeError, match="^load_state_dict takes the dict state_dict\\(\\) returned, got NoneType$"):
+        sampler.load_state_dict(None)  # type: ignore[arg-type]
 
 
 def test_real_dataset_blocks_from_shard_bytes(tmp_path: Path):
