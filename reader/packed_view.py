@@ -176,7 +176,11 @@ def _resolve(dataset: Dataset) -> tuple[list, np.ndarray, np.ndarray | None]:
         return [dataset], np.zeros(len(dataset), np.int64), None  # type: ignore[arg-type]
     if isinstance(dataset, Subset):
         parts, part_of, record_of = _resolve(dataset.dataset)
-        indices = np.asarray(dataset.indices, dtype=np.int64).reshape(-1)
+        given = np.asarray(dataset.indices).reshape(-1)
+        if given.size and given.dtype.kind not in "iub":  # a float index would silently be truncated
+            raise TypeError(f"Subset indices must be ints, got {given[0]!r} (dtype {given.dtype}) in the Subset of "
+                            f"{_name(dataset.dataset)}")
+        indices = given.astype(np.int64)
         size = len(part_of)
         if indices.size and (indices.min() < -size or indices.max() >= size):
             bad = indices[(indices < -size) | (indices >= size)][0]

@@ -9,6 +9,7 @@ sequential evaluation reads the validation set front to back.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence, cast
 
 import numpy as np
@@ -21,8 +22,15 @@ def split(dataset: Dataset, val_fraction: float, seed: int = 0) -> tuple[Subset,
     """``(train, val)`` subsets of ``dataset`` (a ``PackedDataset``, or a ``Subset`` or
     ``ConcatDataset`` of them): disjoint, together every record once, each class split in proportion.
 
-    Both work with ``make_loader`` and with a plain ``DataLoader``. ``val_fraction`` is in (0, 1).
+    Both work with ``make_loader`` and with a plain ``DataLoader``. ``val_fraction`` is in (0, 1);
+    ``seed`` is an int of 0 or more (``None`` is refused: the split would differ on every call and rank).
     """
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, numbers.Real):
+        raise TypeError(f"val_fraction must be a number between 0 and 1 (exclusive), got {val_fraction!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int (the same on every rank), got {seed!r}")
+    if seed < 0:
+        raise ValueError(f"seed must be 0 or more, got {seed}")
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
     labels = as_view(dataset).targets

@@ -207,6 +207,28 @@ def test_split_is_stratified_deterministic_disjoint_and_complete(tmp_path):
         reader.split(ds, val_fraction=1.0)
 
 
+@pytest.mark.parametrize("arguments, error, message", [
+    ({"val_fraction": 0.2, "seed": None}, TypeError, r"seed must be an int \(the same on every rank\), got None"),
+    ({"val_fraction": 0.2, "seed": 1.5}, TypeError, r"seed must be an int \(the same on every rank\), got 1.5"),
+    ({"val_fraction": 0.2, "seed": -1}, ValueError, "seed must be 0 or more, got -1"),
+    ({"val_fraction": "0.2"}, TypeError, r"val_fraction must be a number between 0 and 1 \(exclusive\), got '0.2'"),
+    ({"val_fraction": 0}, ValueError, r"val_fraction must be between 0 and 1 \(exclusive\), got 0"),
+    ({"val_fraction": -0.5}, ValueError, r"val_fraction must be between 0 and 1 \(exclusive\), got -0.5"),
+    ({"val_fraction": 1.5}, ValueError, r"val_fraction must be between 0 and 1 \(exclusive\), got 1.5"),
+])
+def test_split_names_a_bad_seed_or_fraction(raw, arguments, error, message):
+    with pytest.raises(error, match=f"^{message}$"):
+        reader.split(PackedDataset(raw.path), **arguments)
+
+
+def test_subset_with_float_indices_is_refused_not_truncated(raw):
+    ds = PackedDataset(raw.path)
+    with pytest.raises(TypeError, match=rf"^Subset indices must be ints, got np.float64\(0.5\) \(dtype float64\) in "
+                                        rf"the Subset of {raw.path}$"):
+        make_loader(Subset(ds, [0.5, 1.0]), 4, num_workers=0)
+    assert [len(b[1]) for b in make_loader(Subset(ds, []), 4, num_workers=0)] == []
+
+
 def test_batch_sampler_walked_directly_ends_after_one_epoch(raw):
     loader = make_loader(PackedDataset(raw.path), 4, num_workers=2, multiprocessing_context="fork")
     loader.set_epoch(3)
