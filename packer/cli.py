@@ -6,6 +6,7 @@ status 1, without a traceback.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -298,6 +299,13 @@ def bench_command(dataset: Path, baseline: Path | None, orders: list[str], worke
     """Time reading DATASET per epoch: images/s, MB/s, first-batch latency, worker memory."""
     from packer import bench
 
+    # Checked before any epoch is timed: time.sleep fails on inf/nan only after the first batch, and a
+    # plot's missing folder only after the whole run.
+    if model_ms is not None and not math.isfinite(model_ms):
+        raise click.BadParameter(f"{model_ms} is not a finite number of ms", param_hint="'--model-ms'")
+    if plot is not None and not plot.parent.is_dir():
+        raise click.BadParameter(f"{plot.parent} is not a directory, so {plot} cannot be written",
+                                 param_hint="'--plot'")
     settings = bench.Settings(batch_size=batch_size, epochs=epochs, model_ms=model_ms, cold=cold)
     try:
         results = bench.bench_packed(dataset, settings, orders=orders, workers=workers)
