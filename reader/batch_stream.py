@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 import numpy as np
 from torch.utils.data import Sampler
 
+from reader.arguments import whole_number
 from reader.sampler import ShardSampler
 
 
@@ -61,14 +62,11 @@ class BatchStream(Sampler[list[int]]):
                 "(Lightning's Trainer with use_distributed_sampler=True) is rebuilding the loader around another "
                 "sampler. make_loader already splits every epoch between the ranks (seeded, resumable): keep it "
                 "as is with Trainer(use_distributed_sampler=False)")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-            raise TypeError(f"batch_size must be an int, got {batch_size!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        batch_size = whole_number("batch_size", batch_size, 1)
         if lookahead < 0:
             raise ValueError(f"lookahead must be 0 or more samples, got {lookahead}")
         self.sampler = sampler
-        self.batch_size = int(batch_size)
+        self.batch_size = batch_size
         self.drop_last = drop_last
         self.epoch_step = 1
         self.advise = advise

@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from reader import blocks
+from reader.arguments import true_or_false, whole_number
 from reader.batch_memory import new_batch
 from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode_threads import DecodeThreads
@@ -81,11 +82,10 @@ class PackedDataset(Dataset):
         decode_threads: int = 1,
         verify: str = "tables",
     ) -> None:
-        block_bytes = _int_argument("block_bytes", block_bytes, 1)
-        max_gap = _int_argument("max_gap", max_gap, 0)
-        for name, flag in (("fast_decode", fast_decode), ("readahead", readahead)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        block_bytes = whole_number("block_bytes", block_bytes, 1)
+        max_gap = whole_number("max_gap", max_gap)
+        fast_decode = true_or_false("fast_decode", fast_decode)
+        readahead = true_or_false("readahead", readahead)
         if verify not in VERIFY_LEVELS:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, got {verify!r}")
         self.path = Path(path)
@@ -295,15 +295,6 @@ def _split(tensor: torch.Tensor, nbytes: np.ndarray) -> list[memoryview]:
     if len(nbytes) == 0:  # an empty batch: memoryview cannot cast a view with a zero in its shape
         return []
     return _split_view(tensor.numpy().data.cast("B"), nbytes)
-
-
-def _int_argument(name: str, value: Any, minimum: int) -> int:
-    """``value`` as an int, or ``TypeError``/``ValueError`` naming the argument, the value and what is allowed."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be {'positive' if minimum == 1 else f'{minimum} or more'}, got {value}")
-    return int(value)
 
 
 def _split_view(view: memoryview, nbytes: np.ndarray) -> list[memoryview]:

@@ -12,18 +12,14 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-import numpy as np
+from reader.arguments import whole_number
 
 
 class DecodeThreads:
     """Calls ``decode(k)`` for every ``k < count`` on ``threads`` threads; 1 runs them in the caller."""
 
     def __init__(self, threads: int) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)):
-            raise TypeError(f"decode_threads must be an int, got {threads!r}")
-        if threads < 1:
-            raise ValueError(f"decode_threads must be 1 or more, got {threads}")
-        self.threads = int(threads)
+        self.threads = whole_number("decode_threads", threads, 1)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid: int | None = None
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from reader.arguments import whole_number
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, received_labels
 from reader.batch_stream import BatchStream
 from reader.packed_view import PackedView, as_view
@@ -244,8 +245,8 @@ def make_loader(
     if evaluation and (drop_last or not pad):
         raise ValueError("make_loader(evaluation=True) covers every sample exactly once: it needs "
                          "drop_last=False and pad=True")
-    if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer))):
-        raise TypeError(f"num_workers must be an int (0 reads in the calling process) or None, got {num_workers!r}")
+    if num_workers is not None:
+        num_workers = whole_number("num_workers", num_workers)
     if isinstance(fields, str):
         raise TypeError(f"fields must be a list of field names, got the string {fields!r} "
                         f"(for one field: fields=[{fields!r}])")

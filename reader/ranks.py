@@ -1,9 +1,9 @@
 """Which rank this process is, and how many there are: one rule for every reader class."""
 from __future__ import annotations
 
-import numbers
-
 import torch.distributed as dist
+
+from reader.arguments import whole_number
 
 
 def rank_and_world_size(rank: int | None, world_size: int | None = None) -> tuple[int, int]:
@@ -14,10 +14,7 @@ def rank_and_world_size(rank: int | None, world_size: int | None = None) -> tupl
         world_size = dist.get_world_size() if initialised else 1
     if rank is None:
         rank = dist.get_rank() if initialised else 0
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-    rank, world_size = int(rank), int(world_size)
+    rank, world_size = whole_number("rank", rank, None), whole_number("world_size", world_size, None)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in range for world_size {world_size}")
     return rank, world_size

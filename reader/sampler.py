@@ -41,13 +41,13 @@ number of GPUs is free, and an epoch of a large dataset is too long to throw awa
 """
 from __future__ import annotations
 
-import numbers
-from typing import Any, Iterator, cast
+from typing import Iterator, cast
 
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
 
+from reader.arguments import whole_number
 from reader.packed_view import as_view
 from reader.ranks import rank_and_world_size
 
@@ -82,7 +82,7 @@ class ShardSampler(Sampler[int]):
         rank, world_size = rank_and_world_size(rank, world_size)
         if buffer_blocks < 1:
             raise ValueError(f"buffer_blocks must be positive, got {buffer_blocks}")
-        seed = _whole("seed", seed)
+        seed = whole_number("seed", seed)
         view = as_view(dataset)
         self.num_records = len(view)
         self.order = order
@@ -105,7 +105,7 @@ class ShardSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order to yield; moving to another epoch clears ``start``."""
-        epoch = _whole("epoch", epoch)
+        epoch = whole_number("epoch", epoch)
         if epoch != self.epoch:
             self.start = 0
             self.history = []
@@ -134,18 +134,18 @@ class ShardSampler(Sampler[int]):
         if state["order"] != self.order:
             raise ValueError(f"saved state is for order {state['order']!r}, this sampler uses "
                              f"{self.order!r}")
-        if "records" in state and _whole("saved records", state["records"]) != self.num_records:
+        if "records" in state and whole_number("saved records", state["records"]) != self.num_records:
             raise ValueError(f"saved state is for a dataset of {state['records']} records, this sampler's has "
                              f"{self.num_records}")
-        epoch, seed = _whole("saved epoch", state["epoch"]), _whole("saved seed", state["seed"])
+        epoch, seed = whole_number("saved epoch", state["epoch"]), whole_number("saved seed", state["seed"])
         steps = state.get("history", [])
         if not isinstance(steps, (list, tuple)) or not all(
                 isinstance(step, (list, tuple)) and len(step) == 2 for step in steps):
             raise ValueError(f"saved history must be a list of [world_size, start] pairs, got {steps!r:.80}")
-        history = [(_whole("saved history world_size", world, 1), _whole("saved history start", start))
+        history = [(whole_number("saved history world_size", world, 1), whole_number("saved history start", start))
                    for world, start in steps]
-        saved_world = _whole("saved world_size", state.get("world_size", self.world_size), 1)
-        start = _whole("saved start", state["start"])
+        saved_world = whole_number("saved world_size", state.get("world_size", self.world_size), 1)
+        start = whole_number("saved start", state["start"])
         if saved_world != self.world_size:
             history, start = [*history, (saved_world, start)], 0
         remaining = self._remaining(history)
@@ -214,16 +214,6 @@ class ShardSampler(Sampler[int]):
             return order[:total], valid[:total]
         wrapped = np.resize(np.arange(len(order)), total)
         return order[wrapped], valid[wrapped] & (np.arange(total) < len(order))
-
-
-def _whole(name: str, value: Any, minimum: int = 0) -> int:
-    """``value`` as an int of at least ``minimum``; ``TypeError``/``ValueError`` naming ``name`` otherwise
-    (numpy's generators take only non-negative seeds and epochs)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be {minimum} or more, got {value}")
-    return int(value)
 
 
 def _check_same_on_every_rank(values: dict) -> None:

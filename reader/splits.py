@@ -15,6 +15,7 @@ from typing import Sequence, cast
 import numpy as np
 from torch.utils.data import Dataset, Subset
 
+from reader.arguments import whole_number
 from reader.packed_view import as_view
 
 
@@ -27,10 +28,7 @@ def split(dataset: Dataset, val_fraction: float, seed: int = 0) -> tuple[Subset,
     """
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, numbers.Real):
         raise TypeError(f"val_fraction must be a number between 0 and 1 (exclusive), got {val_fraction!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int (the same on every rank), got {seed!r}")
-    if seed < 0:
-        raise ValueError(f"seed must be 0 or more, got {seed}")
+    seed = whole_number("seed", seed)
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
     labels = as_view(dataset).targets

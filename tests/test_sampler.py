@@ -205,10 +205,10 @@ GOOD_STATE = {"epoch": 2, "seed": 5, "order": "quasi_random", "start": 10, "worl
     ({"seed": "x"}, TypeError, "saved seed must be an int, got 'x'"),
     ({"start": 1.5}, TypeError, "saved start must be an int, got 1.5"),
     ({"start": -1}, ValueError, "saved start must be 0 or more, got -1"),
-    ({"world_size": 0}, ValueError, "saved world_size must be 1 or more, got 0"),
+    ({"world_size": 0}, ValueError, "saved world_size must be positive, got 0"),
     ({"history": None}, ValueError, r"saved history must be a list of \[world_size, start\] pairs, got None"),
     ({"history": [[2]]}, ValueError, r"saved history must be a list of \[world_size, start\] pairs, got \[\[2\]\]"),
-    ({"history": [[0, 0]]}, ValueError, "saved history world_size must be 1 or more, got 0"),
+    ({"history": [[0, 0]]}, ValueError, "saved history world_size must be positive, got 0"),
 ])
 def test_corrupted_or_foreign_state_is_refused_naming_the_entry(change, error, message):
     sampler = ShardSampler(DATASET, seed=1)

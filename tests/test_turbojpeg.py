@@ -109,5 +109,5 @@ def test_decode_threads_report_the_bad_record(tmp_path):
     ds = PackedDataset(packed.path, decode_threads=2)
     with pytest.raises(FormatError, match=r"part-00000-shard-00000\.h5: record 5 .*not a valid jpeg payload"):
         ds.read_batch(list(range(9)))
-    with pytest.raises(ValueError, match="decode_threads must be 1 or more, got 0"):
+    with pytest.raises(ValueError, match="decode_threads must be positive, got 0"):
         PackedDataset(packed.path, decode_threads=0)
