@@ -20,11 +20,14 @@ otherwise they are 0-255 units. Either way the whole step is one fused multiply-
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from reader.arguments import whole_number
 
 _RRC_ATTEMPTS = 10
 
@@ -85,11 +88,14 @@ def augment_from(
     return BatchAugment(mean, std, **options)
 
 
-def _pair(size: int | Sequence[int]) -> tuple[int, int]:
-    if isinstance(size, int):
-        return size, size
-    height, width = size
-    return int(height), int(width)
+def _pair(name: str, size: int | Sequence[int]) -> tuple[int, int]:
+    """``size`` (an int for a square, or ``(height, width)``) as two positive ints, or an error naming ``name``."""
+    if isinstance(size, numbers.Integral) and not isinstance(size, bool):
+        side = whole_number(name, size, 1)
+        return side, side
+    if isinstance(size, (str, bytes)) or not isinstance(size, Sequence) or len(size) != 2:
+        raise TypeError(f"{name} must be an int or a (height, width) pair of ints, got {size!r}")
+    return whole_number(f"{name} height", size[0], 1), whole_number(f"{name} width", size[1], 1)
 
 
 def _sizes_on(device: torch.device, sizes: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +178,9 @@ class BatchAugment:
     ) -> None:
         if sum(op is not None for op in (crop, random_resized_crop, center_crop)) > 1:
             raise ValueError("give at most one of crop, random_resized_crop and center_crop")
-        if resize is not None and (center_crop is None or resize < 1):
+        if resize is not None:
+            resize = whole_number("resize", resize, 1)
+        if resize is not None and center_crop is None:
             raise ValueError(f"resize (the shorter side, got {resize}) is a positive size, given with center_crop")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
@@ -184,9 +192,11 @@ class BatchAugment:
         self.dtype = dtype
         self.channels_last = channels_last
         self.flip = flip
-        self.crop = None if crop is None else _pair(crop)
-        self.random_resized_crop = None if random_resized_crop is None else _pair(random_resized_crop)
-        self.center_crop = None if center_crop is None else _pair(center_crop)
+        self.crop = None if crop is None else _pair("crop", crop)
+        self.random_resized_crop = (
+            None if random_resized_crop is None else _pair("random_resized_crop", random_resized_crop)
+        )
+        self.center_crop = None if center_crop is None else _pair("center_crop", center_crop)
         self.resize = resize
         self.antialias = antialias
         self.area_scale = (float(scale[0]), float(scale[1]))

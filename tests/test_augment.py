@@ -1,6 +1,8 @@
 """BatchAugment against references computed by hand on real PNG images (CPU always, CUDA when present)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -244,3 +246,26 @@ def test_variable_sizes_need_an_op_that_makes_one_size(ragged: list[torch.Tensor
         BatchAugment(MEAN_01, STD_01, resize=16)
     random_crop = BatchAugment(MEAN_01, STD_01, crop=16)(ragged, cpu)
     assert random_crop.shape == (5, 3, 16, 16)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"crop": 0}, ValueError, "crop must be positive, got 0"),
+        ({"crop": (0, 4)}, ValueError, "crop height must be positive, got 0"),
+        ({"crop": -1}, ValueError, "crop must be positive, got -1"),
+        ({"crop": 4.5}, TypeError, "crop must be an int or a (height, width) pair of ints, got 4.5"),
+        ({"crop": (3,)}, TypeError, "crop must be an int or a (height, width) pair of ints, got (3,)"),
+        ({"random_resized_crop": 0}, ValueError, "random_resized_crop must be positive, got 0"),
+        ({"random_resized_crop": (8, -3)}, ValueError, "random_resized_crop width must be positive, got -3"),
+        ({"center_crop": 0}, ValueError, "center_crop must be positive, got 0"),
+        ({"center_crop": 4, "resize": 0}, ValueError, "resize must be positive, got 0"),
+        ({"center_crop": 4, "resize": 4.5}, TypeError, "resize must be an int, got 4.5"),
+        ({"center_crop": 4, "resize": True}, TypeError, "resize must be an int, got True"),
+    ],
+)
+def test_output_sizes_must_be_positive_ints(options: dict, error: type, message: str) -> None:
+    """A size of 0 gave empty batches, a negative one a torch error deep inside, and random_resized_crop=0 a
+    ZeroDivisionError: each is refused where it is given, naming the option."""
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        BatchAugment(MEAN_01, STD_01, **options)
