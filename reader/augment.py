@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from reader.arguments import whole_number
+from reader.arguments import true_or_false, whole_number
 
 _RRC_ATTEMPTS = 10
 
@@ -39,7 +39,14 @@ def normalization_affine(mean: Sequence[float], std: Sequence[float]) -> tuple[l
 
     Units follow the module rule: all of ``mean`` and ``std`` <= 1 means 0-1 units, else 0-255 units.
     """
-    mean, std = [float(m) for m in mean], [float(s) for s in std]
+    try:
+        mean, std = [float(m) for m in mean], [float(s) for s in std]
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"mean and std must be sequences of numbers, one per channel, got mean={mean!r}, std={std!r}"
+        ) from None
+    if not all(math.isfinite(v) for v in mean + std):
+        raise ValueError(f"mean and std must be finite numbers, got mean={mean}, std={std}")
     if len(mean) != len(std):
         raise ValueError(f"mean has {len(mean)} values but std has {len(std)}: give one of each per channel")
     if any(s <= 0 for s in std):
@@ -96,6 +103,14 @@ def _pair(name: str, size: int | Sequence[int]) -> tuple[int, int]:
     if isinstance(size, (str, bytes)) or not isinstance(size, Sequence) or len(size) != 2:
         raise TypeError(f"{name} must be an int or a (height, width) pair of ints, got {size!r}")
     return whole_number(f"{name} height", size[0], 1), whole_number(f"{name} width", size[1], 1)
+
+
+def _bounds(name: str, value: Sequence[float]) -> tuple[float, float]:
+    """``value`` as a ``(min, max)`` pair of floats, or a ``TypeError`` naming ``name``."""
+    if (isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2
+            or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value)):
+        raise TypeError(f"{name} must be a (min, max) pair of numbers, got {value!r}")
+    return float(value[0]), float(value[1])
 
 
 def _sizes_on(device: torch.device, sizes: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,21 +199,22 @@ class BatchAugment:
             raise ValueError(f"resize (the shorter side, got {resize}) is a positive size, given with center_crop")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        scale, ratio = _bounds("scale", scale), _bounds("ratio", ratio)
         if not 0 < scale[0] <= scale[1] <= 1:
             raise ValueError(f"scale must satisfy 0 < min <= max <= 1, got {tuple(scale)}")
         if not 0 < ratio[0] <= ratio[1]:
             raise ValueError(f"ratio must satisfy 0 < min <= max, got {tuple(ratio)}")
         self.scale_shift = normalization_affine(mean, std)
         self.dtype = dtype
-        self.channels_last = channels_last
-        self.flip = flip
+        self.channels_last = true_or_false("channels_last", channels_last)
+        self.flip = true_or_false("flip", flip)
         self.crop = None if crop is None else _pair("crop", crop)
         self.random_resized_crop = (
             None if random_resized_crop is None else _pair("random_resized_crop", random_resized_crop)
         )
         self.center_crop = None if center_crop is None else _pair("center_crop", center_crop)
         self.resize = resize
-        self.antialias = antialias
+        self.antialias = true_or_false("antialias", antialias)
         self.area_scale = (float(scale[0]), float(scale[1]))
         self.log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
         self._affine_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

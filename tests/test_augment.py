@@ -269,3 +269,31 @@ def test_output_sizes_must_be_positive_ints(options: dict, error: type, message:
     ZeroDivisionError: each is refused where it is given, naming the option."""
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         BatchAugment(MEAN_01, STD_01, **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"flip": 0.2}, TypeError, "flip must be True or False, got 0.2"),
+        ({"flip": "no"}, TypeError, "flip must be True or False, got 'no'"),
+        ({"channels_last": "no"}, TypeError, "channels_last must be True or False, got 'no'"),
+        ({"antialias": "no"}, TypeError, "antialias must be True or False, got 'no'"),
+        ({"std": (0.2, float("nan"), 0.2)}, ValueError, "mean and std must be finite numbers, got mean=[0.485, 0.456, "
+         "0.406], std=[0.2, nan, 0.2]"),
+        ({"mean": (0.5, float("inf"), 0.5)}, ValueError, "mean and std must be finite numbers, got mean=[0.5, inf, "
+         "0.5], std=[0.229, 0.224, 0.225]"),
+        ({"mean": 0.5}, TypeError, "mean and std must be sequences of numbers, one per channel, got mean=0.5, "
+         "std=(0.229, 0.224, 0.225)"),
+        ({"random_resized_crop": 8, "scale": 0.5}, TypeError, "scale must be a (min, max) pair of numbers, got 0.5"),
+        ({"random_resized_crop": 8, "scale": (0.5,)}, TypeError,
+         "scale must be a (min, max) pair of numbers, got (0.5,)"),
+        ({"random_resized_crop": 8, "ratio": (1, 2, 3)}, TypeError,
+         "ratio must be a (min, max) pair of numbers, got (1, 2, 3)"),
+    ],
+)
+def test_flags_normalization_and_ranges_are_checked(options: dict, error: type, message: str) -> None:
+    """flip=0.2 flipped half the samples (any non-empty value was true), a NaN std gave NaN batches, and a
+    scalar scale or mean failed inside with a message naming neither: each is refused, naming it."""
+    arguments = {"mean": MEAN_01, "std": STD_01, **options}
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        BatchAugment(**arguments)
