@@ -4,7 +4,7 @@ instead of failing later deep inside numpy or torch (or, worse, being silently t
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -23,3 +23,14 @@ def true_or_false(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
+
+
+def saved_state(state: Any, keys: Sequence[str]) -> dict:
+    """``state``, checked to be a dict holding every one of ``keys``, as a ``state_dict()`` returned it."""
+    if not isinstance(state, dict):
+        raise TypeError(f"load_state_dict takes the dict state_dict() returned, got {type(state).__name__}")
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"saved state has no {', '.join(missing)} (a state_dict() has {', '.join(keys)}), "
+                         f"got keys {sorted(map(str, state))}")
+    return state

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
+from reader.arguments import saved_state, true_or_false, whole_number
 from reader.augment import BatchAugment, augment_from, seeded_generator
 from reader.prefetcher import default_device
 from reader.ranks import rank_and_world_size
@@ -119,15 +120,14 @@ class GPUDataset:
         load_batch_size: int = 1024,
         **augment_options: Any,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.device = default_device(device)
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.seed = seed
+        self.batch_size = whole_number("batch_size", batch_size, 1)
+        load_batch_size = whole_number("load_batch_size", load_batch_size, 1)
+        self.shuffle = true_or_false("shuffle", shuffle)
+        self.drop_last = true_or_false("drop_last", drop_last)
+        self.seed = whole_number("seed", seed)
         self.rank, self.world_size = rank_and_world_size(rank, world_size)
-        self.pad = pad
+        self.pad = true_or_false("pad", pad)
         self.epoch = 0
         self._resume_at = 0
         self._position = (0, 0)
@@ -187,6 +187,7 @@ class GPUDataset:
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration's order and augmentation draws (moving to another epoch
         than a loaded state's drops that state's position)."""
+        epoch = whole_number("epoch", epoch)
         if epoch != self.epoch:
             self._resume_at = 0
             self._position = (epoch, 0)
@@ -200,8 +201,11 @@ class GPUDataset:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``: the next iteration yields the batch after the saved ones, with the
-        same order and augmentation draws as the saved run."""
-        self.seed, self.epoch, self._resume_at = state["seed"], state["epoch"], state["batches"]
+        same order and augmentation draws as the saved run. A state that is not such a dict, or has an
+        entry missing or mistyped, raises ``TypeError``/``ValueError`` naming it."""
+        state = saved_state(state, ("epoch", "batches", "seed"))
+        seed, epoch = whole_number("saved seed", state["seed"]), whole_number("saved epoch", state["epoch"])
+        self.seed, self.epoch, self._resume_at = seed, epoch, whole_number("saved batches", state["batches"])
         self._position = (self.epoch, self._resume_at)
 
     def epoch_indices(self, epoch: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """GPUDataset over a small fake dataset of real PNG images (CPU always, CUDA when present)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -240,3 +241,47 @@ def test_resume_after_k_batches_equals_the_uninterrupted_run(images: torch.Tenso
         got = list(resumed)
         assert len(got) == len(expected)
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"batch_size": 2.5}, TypeError, "batch_size must be an int, got 2.5"),
+        ({"batch_size": 0}, ValueError, "batch_size must be positive, got 0"),
+        ({"load_batch_size": 0}, ValueError, "load_batch_size must be positive, got 0"),
+        ({"seed": None}, TypeError, "seed must be an int, got None"),
+        ({"seed": -1}, ValueError, "seed must be 0 or more, got -1"),
+        ({"shuffle": "no"}, TypeError, "shuffle must be True or False, got 'no'"),
+        ({"drop_last": "no"}, TypeError, "drop_last must be True or False, got 'no'"),
+        ({"pad": "no"}, TypeError, "pad must be True or False, got 'no'"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_them(images: torch.Tensor, options: dict, error: type, message: str) -> None:
+    """load_batch_size=0 failed in range(), a seed of None or -1 only at the first batch inside numpy, and
+    batch_size=2.5 or shuffle="no" were taken: each is refused where it is given."""
+    arguments = {"batch_size": 4, "mean": MEAN, "std": STD, **options}
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", **arguments)
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "message"),
+    [
+        (None, TypeError, "load_state_dict takes the dict state_dict() returned, got NoneType"),
+        ({"epoch": 0}, ValueError, "saved state has no batches, seed (a state_dict() has epoch, batches, seed), "
+         "got keys ['epoch']"),
+        ({"epoch": "x", "batches": 0, "seed": 0}, TypeError, "saved epoch must be an int, got 'x'"),
+        ({"epoch": 0, "batches": -3, "seed": 0}, ValueError, "saved batches must be 0 or more, got -3"),
+        ({"epoch": 0, "batches": 1.5, "seed": 0}, TypeError, "saved batches must be an int, got 1.5"),
+        ({"epoch": 0, "batches": 2, "seed": None}, TypeError, "saved seed must be an int, got None"),
+    ],
+)
+def test_a_corrupted_state_is_refused_naming_the_entry(
+    images: torch.Tensor, state: object, error: type, message: str
+) -> None:
+    resident = GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, mean=MEAN, std=STD, seed=3)
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        resident.load_state_dict(state)  # type: ignore[arg-type]
+    assert resident.state_dict() == {"epoch": 0, "batches": 0, "seed": 3}
+    with pytest.raises(TypeError, match=r"^epoch must be an int, got 'a'$"):
+        resident.set_epoch("a")  # type: ignore[arg-type]
