@@ -21,6 +21,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
+from reader.arguments import saved_state, whole_number
 from reader.augment import BatchAugment, augment_from, seeded_generator
 from reader.ranks import rank_and_world_size
 
@@ -90,8 +91,8 @@ class CUDAPrefetcher:
         self.loader = loader
         self.device = default_device(device)
         self.augment = augment_from(mean, std, augment, augment_options)
-        self.seed = seed
-        self.rank = rank_and_world_size(None)[0] if rank is None else rank
+        self.seed = whole_number("seed", seed)
+        self.rank = rank_and_world_size(None)[0] if rank is None else whole_number("rank", rank)
         self.epoch = 0
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._resume_at = 0
@@ -103,6 +104,7 @@ class CUDAPrefetcher:
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration's draws, and forward it to the loader. Moving to another
         epoch than a loaded state's drops that state's position, as the loader does."""
+        epoch = whole_number("epoch", epoch)
         if epoch != self.epoch:
             self._resume_at = 0
             self._position = None
@@ -126,11 +128,15 @@ class CUDAPrefetcher:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``: the next iteration yields the batch after the saved ones, with the
-        same augmentation draws as the saved run."""
+        same augmentation draws as the saved run. A state that is not such a dict, or has an entry missing
+        or mistyped, raises ``TypeError``/``ValueError`` naming it, before the loader's state is touched."""
         if not hasattr(self.loader, "load_state_dict"):
             raise TypeError(f"{type(self.loader).__name__} has no load_state_dict(): cannot resume it")
+        state = saved_state(state, ("epoch", "batches", "seed", "loader"))
+        seed, epoch = whole_number("saved seed", state["seed"]), whole_number("saved epoch", state["epoch"])
+        batches = whole_number("saved batches", state["batches"])
         self.loader.load_state_dict(state["loader"])
-        self.seed, self.epoch, self._resume_at = state["seed"], state["epoch"], state["batches"]
+        self.seed, self.epoch, self._resume_at = seed, epoch, batches
         self._position = dict(state)
 
     def __iter__(self) -> Iterator[Batch]:

@@ -3,6 +3,7 @@ stream behaviour and memory on CUDA when present."""
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 from pathlib import Path
 from typing import Iterator
@@ -200,3 +201,62 @@ def test_end_to_end_on_a_packed_dataset(tmp_path: Path) -> None:
     expected = normalized(torch.from_numpy(np.stack([chw(image) for image in sources])))
     torch.testing.assert_close(torch.cat([b for b, _ in got]).cpu().double(), expected, atol=1e-5, rtol=0)
     assert torch.cat([labels for _, labels in got]).tolist() == [i % 3 for i in range(7)]
+
+
+class StatefulListLoader(ListLoader):
+    """A ``ListLoader`` with the state methods the prefetcher's resume needs; it records the states loaded."""
+
+    def __init__(self, images: torch.Tensor, batch_size: int) -> None:
+        super().__init__(images, batch_size)
+        self.loaded: list[dict] = []
+
+    def state_dict(self) -> dict:
+        return {"position": 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded.append(state)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"seed": None}, TypeError, "seed must be an int, got None"),
+        ({"seed": 1.5}, TypeError, "seed must be an int, got 1.5"),
+        ({"rank": -1}, ValueError, "rank must be 0 or more, got -1"),
+        ({"rank": "a"}, TypeError, "rank must be an int, got 'a'"),
+    ],
+)
+def test_bad_seed_or_rank_is_refused_naming_it(images: torch.Tensor, options: dict, error: type, message: str) -> None:
+    """A seed of None or a rank of -1 failed inside numpy at the first batch; a seed of 1.5 was truncated."""
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        CUDAPrefetcher(ListLoader(images, 4), MEAN, STD, device="cpu", **options)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (None, TypeError, "load_state_dict takes the dict state_dict() returned, got NoneType"),
+        ({"drop": "loader"}, ValueError, "saved state has no loader (a state_dict() has epoch, batches, seed, loader), "
+         "got keys ['batches', 'epoch', 'seed']"),
+        ({"epoch": "x"}, TypeError, "saved epoch must be an int, got 'x'"),
+        ({"batches": -1}, ValueError, "saved batches must be 0 or more, got -1"),
+        ({"batches": 1.5}, TypeError, "saved batches must be an int, got 1.5"),
+        ({"seed": None}, TypeError, "saved seed must be an int, got None"),
+    ],
+)
+def test_a_corrupted_state_is_refused_before_the_loader_is_touched(
+    images: torch.Tensor, change: dict | None, error: type, message: str
+) -> None:
+    saver = CUDAPrefetcher(StatefulListLoader(images, 4), MEAN, STD, device="cpu", seed=2)
+    next(iter(saver))
+    state: dict | None = None
+    if change is not None:
+        state = {**saver.state_dict(), **{k: v for k, v in change.items() if k != "drop"}}
+        state.pop(change.get("drop", ""), None)
+    loader = StatefulListLoader(images, 4)
+    prefetcher = CUDAPrefetcher(loader, MEAN, STD, device="cpu", seed=2)
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        prefetcher.load_state_dict(state)  # type: ignore[arg-type]
+    assert loader.loaded == [] and prefetcher.state_dict()["batches"] == 0
+    with pytest.raises(TypeError, match=r"^epoch must be an int, got 'a'$"):
+        prefetcher.set_epoch("a")  # type: ignore[arg-type]
