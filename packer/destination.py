@@ -69,12 +69,15 @@ def check_destination(dst: Path, force: bool) -> None:
 
 
 def unwritable(dst: Path) -> str | None:
-    """Why ``dst`` (or, when it does not exist yet, the nearest folder it would be made in) cannot be
-    written, or None. ``access`` answers as the kernel would for this user: root may write into a
-    read-only folder, nobody into a read-only file system."""
+    """Why ``dst`` (or, when it does not exist yet, the nearest existing path it would be made in) cannot
+    be written (a file where a folder is needed, no permission, a read-only file system), or None.
+    ``access`` answers as the kernel would for this user: root may write into a read-only folder, nobody
+    into a read-only file system."""
     where = dst
     while not where.exists() and where != where.parent:
         where = where.parent
+    if not where.is_dir():
+        return f"{where} is not a directory"
     if os.access(where, os.W_OK | os.X_OK):
         return None
     if os.statvfs(where).f_flag & os.ST_RDONLY:

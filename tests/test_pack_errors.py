@@ -72,3 +72,18 @@ def test_all_files_skipped_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(PackError, match="every one of the 1 images was skipped"):
         packer.pack(tmp_path / "src", tmp_path / "out", on_error="skip", workers=0, progress=False)
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def test_a_destination_that_is_a_file_is_refused_as_one(tmp_path: Path, jpeg_folder: Path) -> None:
+    """A DST that is a file (or lies under one) was refused with "no permission to write in FILE", which
+    sent the user after permissions; it is named as what it is, by pack and by join."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    for dst in (a_file, a_file / "dst"):
+        with pytest.raises(PackError, match=f"^{dst}: cannot write the dataset here: {a_file} is not a directory$"):
+            packer.pack(jpeg_folder, dst, workers=0, progress=False)
+    done = packer.pack(jpeg_folder, tmp_path / "done", workers=0, progress=False)
+    assert done.num_records == 4
+    with pytest.raises(PackError, match=f"^{a_file}: cannot write the dataset here: {a_file} is not a directory$"):
+        packer.join_datasets(a_file, [tmp_path / "done"] * 2)
+    assert a_file.read_text() == "not a folder"
