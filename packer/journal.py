@@ -108,12 +108,14 @@ class PartRecord:
 
 
 def part_problem(dst: Path, record: PartRecord | None, expected: PlanRecord, index: int) -> str | None:
-    """Why partition ``index`` is not done (None when it is): no record, another plan, a record count
-    that does not add up, or a shard missing or not matching its size and checksum."""
+    """Why partition ``index`` is not done (None when it is): no record (or one that cannot be read),
+    another plan, a record count that does not add up, or a shard missing or not matching its size and
+    checksum."""
     partition = expected.partitions[index]
     name = f"part {index} (records {partition.start}-{partition.end - 1})"
     if record is None:
-        return f"{name}: not finished (no {part_record_name(index)})"
+        why = "{} cannot be read" if (dst / part_record_name(index)).exists() else "no {}"
+        return f"{name}: not finished ({why.format(part_record_name(index))})"
     if record.fingerprint != expected.fingerprint or record.partition != partition:
         return f"{name}: {part_record_name(index)} belongs to another pack (other source or options)"
     if record.records + len(record.skipped) != len(partition):

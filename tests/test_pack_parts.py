@@ -78,6 +78,21 @@ def test_merge_refuses_a_part_whose_shard_changed(tmp_path: Path, src: Path) -> 
     assert "part-00003-shard-00000.lmdb is missing" in run("merge", dst)[1]
 
 
+def test_merge_names_a_part_record_that_cannot_be_read(tmp_path: Path, src: Path) -> None:
+    """A truncated or edited .part-NNNNN.json was reported as "no .part-NNNNN.json" though the file is there."""
+    dst = tmp_path / "parts"
+    assert run("pack", src, dst, *PACK, "--part", "0/1", "--workers", "0")[0] == 0
+    (dst / ".part-00001.json").write_text("{")
+    (dst / ".part-00002.json").write_text("[]")
+    code, out = run("merge", dst)
+    assert code == 1
+    assert out == (
+        f"Error: {dst}: cannot merge, 2 of 5 parts are missing or broken (part 1 (records 2-3): not finished "
+        "(.part-00001.json cannot be read); part 2 (records 4-6): not finished (.part-00002.json cannot be read)); "
+        "rerun the pack for those parts\n"
+    )
+
+
 def test_merge_of_a_directory_without_a_started_pack(tmp_path: Path) -> None:
     code, out = run("merge", tmp_path)
     assert code == 1
