@@ -31,6 +31,6 @@ def saved_state(state: Any, keys: Sequence[str]) -> dict:
         raise TypeError(f"load_state_dict takes the dict state_dict() returned, got {type(state).__name__}")
     missing = [key for key in keys if key not in state]
     if missing:
-        raise ValueError(f"saved state has no {', '.join(missing)} (a state_dict() has {', '.join(keys)}), "
+        raise ValueError(f"saved state has no {', '.join(missing)} (loading it needs {', '.join(keys)}), "
                          f"got keys {sorted(map(str, state))}")
     return state

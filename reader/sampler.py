@@ -47,7 +47,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
 
-from reader.arguments import whole_number
+from reader.arguments import saved_state, whole_number
 from reader.packed_view import as_view
 from reader.ranks import rank_and_world_size
 
@@ -125,12 +125,7 @@ class ShardSampler(Sampler[int]):
         over a dataset of another size (``records``; not checked in states saved before it was recorded)
         or with a missing or mistyped entry raises ``ValueError``/``TypeError`` naming it.
         """
-        if not isinstance(state, dict):
-            raise TypeError(f"load_state_dict takes the dict state_dict() returned, got {type(state).__name__}")
-        missing = [key for key in ("epoch", "seed", "order", "start") if key not in state]
-        if missing:
-            raise ValueError(f"saved state has no {', '.join(missing)} (a state_dict() has epoch, seed, order, "
-                             f"start, world_size, history and records), got keys {sorted(map(str, state))}")
+        state = saved_state(state, ("epoch", "seed", "order", "start"))
         if state["order"] != self.order:
             raise ValueError(f"saved state is for order {state['order']!r}, this sampler uses "
                              f"{self.order!r}")

@@ -268,7 +268,7 @@ def test_bad_arguments_are_refused_naming_them(images: torch.Tensor, options: di
     ("state", "error", "message"),
     [
         (None, TypeError, "load_state_dict takes the dict state_dict() returned, got NoneType"),
-        ({"epoch": 0}, ValueError, "saved state has no batches, seed (a state_dict() has epoch, batches, seed), "
+        ({"epoch": 0}, ValueError, "saved state has no batches, seed (loading it needs epoch, batches, seed), "
          "got keys ['epoch']"),
         ({"epoch": "x", "batches": 0, "seed": 0}, TypeError, "saved epoch must be an int, got 'x'"),
         ({"epoch": 0, "batches": -3, "seed": 0}, ValueError, "saved batches must be 0 or more, got -3"),

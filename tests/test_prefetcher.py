@@ -236,7 +236,7 @@ def test_bad_seed_or_rank_is_refused_naming_it(images: torch.Tensor, options: di
     ("change", "error", "message"),
     [
         (None, TypeError, "load_state_dict takes the dict state_dict() returned, got NoneType"),
-        ({"drop": "loader"}, ValueError, "saved state has no loader (a state_dict() has epoch, batches, seed, loader), "
+        ({"drop": "loader"}, ValueError, "saved state has no loader (loading it needs epoch, batches, seed, loader), "
          "got keys ['batches', 'epoch', 'seed']"),
         ({"epoch": "x"}, TypeError, "saved epoch must be an int, got 'x'"),
         ({"batches": -1}, ValueError, "saved batches must be 0 or more, got -1"),
