@@ -367,7 +367,10 @@ def _print_info(summary: DatasetInfo) -> None:
          else f"{summary.records}, unlabelled"),
         ("fields", "; ".join(field_declaration(FieldSpec.from_json(f, summary.path)) for f in summary.fields)
          or "none"),
-        ("shards", f"{summary.shards} {summary.storage} files, {_megabytes(summary.bytes_on_disk)} on disk"),
+        ("shards", f"{summary.shards} {summary.storage} files, {_megabytes(summary.bytes_on_disk)} on disk"
+                   + (f"; {len(summary.missing_shards)} MISSING ({', '.join(summary.missing_shards[:3])}"
+                      f"{', ...' if len(summary.missing_shards) > 3 else ''}): run packer verify"
+                      if summary.missing_shards else "")),
         ("encoding", encoding),
         ("shape", "variable (no crop)" if summary.shape is None else "x".join(map(str, summary.shape))),
         ("transform", describe_transform(summary.transform)),

@@ -31,6 +31,7 @@ class DatasetInfo:
     format_version: int
     fields: list[dict[str, Any]]
     labelled: bool
+    missing_shards: list[str]
 
     @property
     def skipped(self) -> list[dict[str, str]]:
@@ -42,10 +43,12 @@ class DatasetInfo:
 
 
 def info(path: str | os.PathLike) -> DatasetInfo:
-    """Read ``path/manifest.json`` and size the files; raises ``FormatError`` when it is not a dataset."""
+    """Read ``path/manifest.json`` and size the files (``missing_shards``: the shard files the manifest
+    lists that are not there; ``verify`` checks the rest); raises ``FormatError`` when it is not a dataset."""
     root = Path(path)
     manifest = load_manifest(root)
     files = [root / MANIFEST_NAME] + [root / s.file for s in manifest.shards]
+    missing = [s.file for s in manifest.shards if not (root / s.file).is_file()]
     return DatasetInfo(
         path=str(root.resolve()),
         storage=manifest.storage,
@@ -62,6 +65,7 @@ def info(path: str | os.PathLike) -> DatasetInfo:
         format_version=manifest.format_version,
         fields=[field.to_json() for field in manifest.fields],
         labelled=manifest.labelled,
+        missing_shards=missing,
     )
 
 

@@ -253,7 +253,7 @@ def make_loader(
     view = PackedView(dataset)
     if fields is not None:
         view.check_fields(fields)
-    order = order or ("sequential" if evaluation else "quasi_random")
+    order = ("sequential" if evaluation else "quasi_random") if order is None else order
     sampler = ShardSampler(view, order=order, seed=seed, rank=rank, world_size=world_size,
                            pad=pad, buffer_blocks=buffer_blocks)
     workers = default_num_workers() if num_workers is None else num_workers

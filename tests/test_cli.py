@@ -39,6 +39,11 @@ def test_pack_info_verify(tmp_path: Path, make_image_folder: Callable[..., Path]
     code, out, _ = run("verify", dst, "--deep", "--quiet")
     assert code == 0 and out.startswith(f"ok: {dst}: {len(manifest.shards)} shards, 6 records")
 
+    (dst / manifest.shards[1].file).unlink()  # info still describes the dataset, and says what is missing
+    code, out, _ = run("info", dst)
+    assert code == 0 and f"; 1 MISSING ({manifest.shards[1].file}): run packer verify" in out
+    assert json.loads(run("info", dst, "--json")[1])["missing_shards"] == [manifest.shards[1].file]
+
 
 def test_errors_are_one_line_without_traceback(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
     src = make_image_folder(tmp_path / "src", per_class=1)

@@ -188,6 +188,7 @@ def test_pinned_batches_from_workers(raw_path):
     ({"batch_size": 0}, ValueError, "batch_size must be positive, got 0"),
     ({"num_workers": 1.5}, TypeError, "num_workers must be an int, got 1.5"),
     ({"seed": None}, TypeError, "seed must be an int, got None"),
+    ({"order": ""}, ValueError, "unknown order '': expected one of sequential, random, quasi_random"),
     ({"fields": "source"}, TypeError, r"fields must be a list of field names, got the string 'source' "
                                       r"\(for one field: fields=\['source'\]\)"),
 ])
