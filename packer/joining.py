@@ -50,6 +50,9 @@ def join_datasets(
         raise PackError("merge: give at least two datasets to join (or only DST to finish a partitioned pack)")
     if any(out.resolve() == p.resolve() for p in paths):
         raise PackError(f"{out}: the output cannot be one of the datasets being joined")
+    inside = [p for p in paths if out.resolve().is_relative_to(p.resolve())]
+    if inside:
+        raise PackError(f"{out}: the output cannot be inside {inside[0]}, one of the datasets being joined")
     manifests = [load_manifest(p) for p in paths]
     classes = reconciled_classes(paths, manifests)
     check_destination(out, force)

@@ -209,8 +209,8 @@ def _resolve(dataset: Dataset) -> tuple[list, np.ndarray, np.ndarray | None]:
             raise ValueError("make_loader: the ConcatDataset holds no dataset")
         return parts, np.concatenate(part_ofs), np.concatenate(records)
     raise TypeError(
-        f"make_loader reads a PackedDataset, a Subset or a ConcatDataset of them, not "
-        f"{type(dataset).__name__}; give this dataset to a plain torch DataLoader instead "
+        f"make_loader, ShardSampler and split take a PackedDataset, a Subset or a ConcatDataset of them, "
+        f"not {type(dataset).__name__}; give this dataset to a plain torch DataLoader instead "
         f"(PackedDataset works there like any map-style dataset)")
 
 

@@ -117,3 +117,7 @@ def test_join_refuses_an_unfinished_input_and_an_existing_output(
     assert run("merge", tmp_path / "out", a, b, "--force")[0] == 0
     code, output = run("merge", a, a, b)
     assert code == 1 and output == f"Error: {a}: the output cannot be one of the datasets being joined\n"
+    code, output = run("merge", a / "sub", a, b)
+    assert code == 1 and output == (f"Error: {a / 'sub'}: the output cannot be inside {a}, one of the datasets "
+                                    "being joined\n")
+    assert not (a / "sub").exists()

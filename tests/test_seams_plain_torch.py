@@ -180,8 +180,9 @@ def test_subset_and_concatenation_keep_the_block_order(raw, other):
 
 
 def test_make_loader_refuses_other_datasets(raw):
-    with pytest.raises(TypeError, match="make_loader reads a PackedDataset, a Subset or a ConcatDataset "
-                                        "of them, not Wrapped; give this dataset to a plain torch DataLoader"):
+    with pytest.raises(TypeError, match="make_loader, ShardSampler and split take a PackedDataset, a Subset or a "
+                                        "ConcatDataset of them, not Wrapped; give this dataset to a plain torch "
+                                        "DataLoader"):
         make_loader(Wrapped(PackedDataset(raw.path)), 4)
     with pytest.raises(IndexError, match=f"Subset index 23 is out of range for 23 records of {raw.path}"):
         make_loader(Subset(PackedDataset(raw.path), [0, 23]), 4)
