@@ -421,6 +421,24 @@ def test_advise_forgets_old_blocks_and_skips_scattered_records(tmp_path, images,
     assert [offset for _, offset, _ in disk.advice].count(int(ds._offsets[4])) == 2
 
 
+def test_advise_over_several_shards_skips_only_the_scattered_one(tmp_path, page_sized_images, monkeypatch):
+    """A batch's blocks are found for all shards at once; the scattered rule still holds per shard."""
+    packed = pack_images(tmp_path / "packed", page_sized_images, labels_for(COUNT), storage="lmdb",
+                         encoding="jpeg", records_per_shard=10)
+    shard = PackedDataset(packed.path).manifest.shards[1]
+    ds = PackedDataset(packed.path, block_bytes=-(-2 * shard.bytes // shard.records))  # 2 records a block
+    monkeypatch.setattr(reader.shard_io, "MAX_READAHEAD_BLOCKS", 2)
+    disk = ColdDisk(monkeypatch)
+    ds.advise([0, 4, 8, 12, 13, 21])  # shard 0: three blocks (scattered); shard 1: one block; shard 2: one
+    shard_of_fd = {fd: shard for shard, fd in ds._files._fds.items()}
+    assert sorted({shard_of_fd[fd] for fd, _, _ in disk.advice}) == [1, 2]
+    by_shard = {s: {b for fd, offset, length in disk.advice if shard_of_fd[fd] == s
+                    for b in range(offset, offset + length)} for s in (1, 2)}
+    assert set(range(int(ds._offsets[12]), int(ds._offsets[13] + ds._nbytes[13]))) <= by_shard[1]
+    assert not by_shard[1] & set(range(int(ds._offsets[14]), int(ds._offsets[19] + ds._nbytes[19])))
+    assert set(range(int(ds._offsets[21]), int(ds._offsets[21] + ds._nbytes[21]))) <= by_shard[2]
+
+
 def test_advise_without_read_ahead_does_nothing(tmp_path, images, monkeypatch):
     packed = pack_one_shard(tmp_path, images, "lmdb", "raw")
     disk = ColdDisk(monkeypatch)
