@@ -177,6 +177,10 @@ def pack_command(src: Path, dst: Path, labels: Path | None, fields: tuple[FieldS
     if append:
         _append_command(src, dst, labels, label_kind, workers, on_error, shard_size, max_file_bytes, quiet)
         return
+    names = [field.name for field in fields]
+    repeated = [name for name in names if names.count(name) > 1]
+    if repeated:
+        raise click.BadParameter(f"field {repeated[0]!r} is declared twice", param_hint="'--field'")
     try:
         manifest = pack(src, dst, labels=labels, storage=storage, resize=resize, crop=crop,
                         encoding=encoding, quality=quality, shard_size=shard_size, workers=workers,

@@ -7,7 +7,8 @@ whose every cell is one is inferred as a list type; other cells are text, read a
 number when the field is one.
 
 JSON Lines (a file ending in ``.jsonl``): one JSON object per line, ``{"path": ..., "label": ...,
-<field>: <value>, ...}``; ``label`` may be left out of every line (a dataset without classes).
+<field>: <value>, ...}``; ``label`` may be left out of every line (a dataset without classes). Its
+values keep their JSON types: a string such as ``"007"`` stays text.
 
 Field types (``reader.format.fields``) are inferred from all the values of a field, or declared
 (``declare_field("emb:vector:128")``, ``--field emb:vector:128`` on the command line; for named
@@ -50,7 +51,11 @@ def declare_field(text: str) -> FieldSpec:
                 raise ValueError(f"a vector field is declared as {name}:vector:LENGTH")
             return FieldSpec(name, kind, length=int(argument))
         if kind == "labels" and argument:
-            return FieldSpec(name, kind, classes=tuple(c.strip() for c in argument.split(",") if c.strip()))
+            classes = [c.strip() for c in argument.split(",") if c.strip()]
+            if not classes or len(set(classes)) != len(classes):
+                repeated = [c for c in classes if classes.count(c) > 1][:1]
+                raise ValueError(f"class {repeated[0]!r} is listed twice" if repeated else "it names no class")
+            return FieldSpec(name, kind, classes=tuple(classes))
         if argument or kind not in FIELD_TYPES:
             raise ValueError(f"expected NAME:TYPE with TYPE one of {', '.join(FIELD_TYPES)}")
         return FieldSpec(name, kind)
@@ -76,7 +81,7 @@ def read_label_rows(path: Path) -> tuple[list[LabelRow], list[str]]:
         if not stat.S_ISREG(os.stat(path).st_mode):
             raise PackError(f"{path}: the labels file is not a regular file")
         with open(path, newline="", encoding="utf-8-sig") as f:
-            rows, names = (_jsonl_rows if path.suffix.lower() == ".jsonl" else _csv_rows)(f, path)
+            rows, names = (_jsonl_rows if _is_jsonl(path) else _csv_rows)(f, path)
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise PackError(f"{path}: cannot read the labels file ({e})") from None
     for row in rows:
@@ -93,7 +98,8 @@ def field_specs(
     rows: list[LabelRow], names: list[str], declared: Mapping[str, FieldSpec], labels_path: Path
 ) -> list[FieldSpec]:
     """The schema: each field declared or inferred from its values (text cells of a CSV are read as
-    JSON lists when all of them are, else as integers or numbers where they are)."""
+    JSON lists when all of them are, else as integers or numbers where they are; JSON Lines values as
+    they are)."""
     unknown = sorted(set(declared) - set(names))
     if unknown:
         raise PackError(f"{labels_path}: field {unknown[0]!r} is declared but the labels file has no such "
@@ -109,23 +115,25 @@ def field_specs(
             continue
         values = [row.values[name] for row in rows if name in row.values]
         try:
-            specs.append(infer_spec(name, _cell_values(values)))
+            specs.append(infer_spec(name, values if _is_jsonl(labels_path) else _cell_values(values)))
         except ValueError as e:
             raise PackError(f"{labels_path}: {e} (e.g. --field {name}:TYPE)") from None
     return specs
 
 
 def parse_values(rows: list[LabelRow], specs: list[FieldSpec], labels_path: Path) -> None:
-    """Check and normalise every row's field values in place; the first bad one is a ``PackError``."""
+    """Check and normalise every row's field values in place (a CSV's text cells read as JSON lists or
+    numbers where the field is one); the first bad one is a ``PackError``."""
+    cells = not _is_jsonl(labels_path)
     for row in rows:
         for spec in specs:
             where = f"{labels_path}, line {row.line}: field {spec.name!r}"
             if spec.name not in row.values or row.values[spec.name] is None:
                 raise PackError(f"{where} is missing for {row.path!r} (every image needs every field)")
             value = row.values[spec.name]
-            if isinstance(value, str) and spec.type in ("labels", "vector", "boxes"):
+            if cells and isinstance(value, str) and spec.type in ("labels", "vector", "boxes"):
                 value = _json_cell(value, where)
-            elif isinstance(value, str) and spec.type in ("int", "float"):
+            elif cells and isinstance(value, str) and spec.type in ("int", "float"):
                 value = _number_or_text(value)
             try:
                 row.values[spec.name] = spec.parse(value)
@@ -175,6 +183,10 @@ def _jsonl_rows(f: Any, path: Path) -> tuple[list[LabelRow], list[str]]:
         names.update(dict.fromkeys(data))
         rows.append(LabelRow(line, image, None if label is None else str(label), data))
     return rows, list(names)
+
+
+def _is_jsonl(path: Path) -> bool:
+    return path.suffix.lower() == ".jsonl"
 
 
 def _check_path(row: LabelRow, labels_path: Path) -> None:

@@ -134,6 +134,17 @@ def test_csv_with_more_columns_declared_and_inferred(tmp_path: Path) -> None:
     (lambda r: r[3].pop("label"), {}, r"line 4: no label for 'img/03.png', while other lines have one"),
     (lambda r: r[0].update(score="high"), {}, r"line 1: field 'score': expected a finite number, got 'high'"),
     (lambda r: r[0].update(score={"a": 1}), {}, r"line 1: field 'score': expected a finite number, got {'a': 1}"),
+    (lambda r: r[2].update(score=10 ** 400), {},
+     r"line 3: field 'score': expected a finite number, got 1000000000000000000000000000000000000\.\.\.$"),
+    (lambda r: r[1].update(emb=[1e39, 0.5, -1.25, 2.0]), {},
+     r"line 2: field 'emb': 1e\+39 is beyond the float32 range \(\+-3.4e38\) these values are stored in$"),
+    (lambda r: r[1].update(boxes=[[0, 0, -1e39, 1]]), {},
+     r"line 2: field 'boxes': -1e\+39 is beyond the float32 range"),
+    (lambda r: r[2].update(codes=[1 << 63]), {},
+     r"line 3: field 'codes': label 9223372036854775808 does not fit in 64 bits$"),
+    (lambda r: r[0].update(id="1000"), {"id": "int"}, r"line 1: field 'id': expected an integer, got '1000'$"),
+    (lambda r: r[0].update(emb="[1, 2, 3, 4]"), {"emb": "vector:4"},
+     r"line 1: field 'emb': expected a list of numbers, got '\[1, 2, 3, 4\]'$"),
 ])
 def test_bad_rows_are_named_by_line(tmp_path: Path, edit, declared, message) -> None:
     labels = rows()
@@ -142,6 +153,17 @@ def test_bad_rows_are_named_by_line(tmp_path: Path, edit, declared, message) -> 
     with pytest.raises(PackError, match=message):
         packer.pack(src, tmp_path / "out", labels=src / "labels.jsonl", workers=0, progress=False, fields=declared)
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_json_lines_text_stays_text(tmp_path: Path) -> None:
+    """A JSON string is text even when it reads as a number or a list (only a CSV's cells, which are all
+    text, are read as numbers or JSON lists)."""
+    labels = [{"path": f"img/{k:02d}.png", "code": f"{k:03d}", "note": "[1, 2]"} for k in range(COUNT)]
+    src = make_source(tmp_path, labels)
+    manifest = packer.pack(src, tmp_path / "out", labels=src / "labels.jsonl", workers=0, progress=False)
+    assert [(f.name, f.type) for f in manifest.fields] == [("code", "str"), ("note", "str")]
+    ds = PackedDataset(tmp_path / "out")
+    assert [ds.fields(k) for k in range(COUNT)] == [{"code": f"{k:03d}", "note": "[1, 2]"} for k in range(COUNT)]
 
 
 def test_a_dataset_without_labels(tmp_path: Path) -> None:

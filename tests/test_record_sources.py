@@ -62,6 +62,10 @@ def _csv_source(tmp_path: Path, lines: list[str]) -> Path:
      r"labels.csv: column or key 'source' cannot be a field: field name 'source' is not allowed"),
     (["path,label,id", "0.png,a,1", "1.png,b"], {},
      r"labels.csv, line 3: expected 3 columns \(path,label,id\), found 2"),
+    (["path,label,tags", "0.png,a,\"[\"\"x\"\"]\""], {"tags": "labels:x,y,x"},
+     r"^field declaration 'tags:labels:x,y,x': class 'x' is listed twice$"),
+    (["path,label,tags", "0.png,a,\"[\"\"x\"\"]\""], {"tags": "labels:, ,"},
+     r"^field declaration 'tags:labels:, ,': it names no class$"),
 ])
 def test_bad_csv_rows_are_named_by_line(tmp_path: Path, lines: list[str], declared: dict, message: str) -> None:
     src = _csv_source(tmp_path, lines)
@@ -137,6 +141,14 @@ def test_fields_through_a_subset_or_a_concatenation(two_datasets: list[Path], ki
     for batch in batches:
         for image, position in zip(batch["image"], batch["index"].tolist()):
             assert torch.equal(image, dataset[position][0])
+
+
+def test_a_field_declared_twice_is_a_usage_error(tmp_path: Path) -> None:
+    src = _csv_source(tmp_path, ["path,label,n"] + [f"{k}.png,a,{k}" for k in range(4)])
+    result = CliRunner().invoke(main, ["pack", str(src), str(tmp_path / "out"), "--labels", str(src / "labels.csv"),
+                                       "--workers", "0", "--field", "n:int", "--field", "n:str"])
+    assert result.exit_code == 2 and "Invalid value for '--field': field 'n' is declared twice" in result.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_writer_refuses_a_record_whose_fields_do_not_match_the_schema(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ SOURCE = "source"  # the built-in column: each record's source path
 RESERVED_NAMES = ("image", "label", "index", "valid", SOURCE, "path")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _VARIABLE = {"str", "labels", "boxes"}
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def check_field_name(name: Any) -> None:
@@ -105,13 +106,13 @@ class FieldSpec:
             numbers = _list(value, "numbers")
             if len(numbers) != self.length:
                 raise ValueError(f"expected a list of {self.length} numbers, got {len(numbers)}")
-            return [_number(v) for v in numbers]
+            return [_float32(v) for v in numbers]
         if self.type == "boxes":
             boxes = _list(value, "boxes")
             for box in boxes:
                 if not isinstance(box, list) or len(box) != 4:
                     raise ValueError(f"expected boxes of 4 numbers each, got {_shown(box)}")
-            return [[_number(v) for v in box] for box in boxes]
+            return [[_float32(v) for v in box] for box in boxes]
         return self._parse_labels(value)
 
     def _parse_labels(self, value: Any) -> list[int]:
@@ -120,6 +121,8 @@ class FieldSpec:
             for item in items:
                 if isinstance(item, bool) or not isinstance(item, int) or item < 0:
                     raise ValueError(f"expected a list of non-negative integer labels, got {_shown(item)}")
+                if item >= 1 << 63:
+                    raise ValueError(f"label {_shown(item)} does not fit in 64 bits")
             return items
         index = {name: i for i, name in enumerate(self.classes)}
         for item in items:
@@ -304,13 +307,27 @@ def _with_offsets(prefix: str, flat: np.ndarray, lengths: list[int]) -> dict[str
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond the range of a float
+        return False
 
 
 def _number(value: Any) -> float:
     if not _is_number(value):
         raise ValueError(f"expected a finite number, got {_shown(value)}")
     return float(value)
+
+
+def _float32(value: Any) -> float:
+    """A number of a ``vector`` or ``boxes`` value, which are stored as float32: one past its range
+    would be stored as infinity."""
+    number = _number(value)
+    if abs(number) > _FLOAT32_MAX:
+        raise ValueError(f"{_shown(value)} is beyond the float32 range (+-3.4e38) these values are stored in")
+    return number
 
 
 def _list(value: Any, what: str) -> list:
