@@ -237,7 +237,8 @@ def make_loader(
     ``fields`` (names of the dataset's extra fields, and ``"source"`` for the source paths): batches
     become mappings ``{"image", "label", <each field>}`` (plus ``"index"``, ``"valid"`` with
     ``evaluation``), the fields batched as ``reader.record_fields`` says. The main process gathers
-    them from columns it reads once; the default tuples are unchanged.
+    them from columns it reads once; the default tuples are unchanged. The datasets of a
+    ``ConcatDataset`` must agree on each such field's type (else ``ValueError``).
 
     With workers and a dataset that reads ahead (``readahead``), the main process advises
     each batch's blocks ``lookahead_samples(...)`` samples before the workers get it.

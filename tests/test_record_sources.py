@@ -143,6 +143,19 @@ def test_fields_through_a_subset_or_a_concatenation(two_datasets: list[Path], ki
             assert torch.equal(image, dataset[position][0])
 
 
+def test_a_concatenation_refuses_a_field_whose_type_differs(two_datasets: list[Path], tmp_path: Path) -> None:
+    """Batching an int column with a float one (or vectors of two lengths, labels of two class lists)
+    would fail deep in torch, or silently mix ids of different classes."""
+    src = _csv_source(tmp_path, ["path,label,id"] + [f"{k}.png,a,{k}.5" for k in range(4)])
+    packer.pack(src, tmp_path / "out", labels=src / "labels.csv", crop=(6, 5), workers=0, progress=False)
+    dataset = ConcatDataset([PackedDataset(two_datasets[0]), PackedDataset(tmp_path / "out")])
+    with pytest.raises(ValueError, match=rf"^field 'id' is int in {two_datasets[0]} but float in {tmp_path / 'out'}: "
+                                         r"a field batched from several datasets needs the same type"):
+        make_loader(dataset, 8, num_workers=0, fields=["source", "id"])
+    batch = next(iter(make_loader(dataset, 8, num_workers=0, order="sequential", fields=["source"])))
+    assert batch["source"] == [f"{k}.png" for k in range(4)] * 2
+
+
 def test_a_field_declared_twice_is_a_usage_error(tmp_path: Path) -> None:
     src = _csv_source(tmp_path, ["path,label,n"] + [f"{k}.png,a,{k}" for k in range(4)])
     result = CliRunner().invoke(main, ["pack", str(src), str(tmp_path / "out"), "--labels", str(src / "labels.csv"),
