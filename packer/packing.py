@@ -82,9 +82,10 @@ def pack(
     disk, SIGINT, SIGTERM) leaves no temporary file of its own (``packer.cleanup``). ``labels`` may also be
     a JSON Lines file, and a labels file's other columns or keys are stored as each record's fields
     (``packer.labels_file``), typed by ``fields`` where given (``{"emb": "vector:128", "tags": "labels"}``
-    or ``FieldSpec``s), inferred otherwise. Every record also keeps its source path. ``base_classes`` come
-    first, keeping their ids, and the source's other classes follow (what ``packer.append`` needs to extend
-    a dataset's classes without relabelling). Raises ``PackError`` on bad input and for a full disk.
+    or ``FieldSpec``s, each under its own name), inferred otherwise. Every record also keeps its source
+    path. ``base_classes`` come first, keeping their ids, and the source's other classes follow (what
+    ``packer.append`` needs to extend a dataset's classes without relabelling). Raises ``PackError`` on bad
+    input and for a full disk.
     """
     spec = transform_spec(resize, crop, encoding, quality, max_pixels, max_file_bytes, resampler)
     check_options(storage, shard_size, on_error)
@@ -94,6 +95,10 @@ def pack(
     check_destination(dst, force)
     declared = {name: f if isinstance(f, FieldSpec) else declare_field(f"{name}:{f}")
                 for name, f in (fields or {}).items()}
+    misnamed = [(name, f.name) for name, f in declared.items() if f.name != name]
+    if misnamed:
+        raise PackError(f"fields: the key {misnamed[0][0]!r} holds a FieldSpec named {misnamed[0][1]!r} "
+                        "(a field's key is its name)")
     plan = scan_source(src, labels, on_error, max_file_bytes=max_file_bytes, label_kind=label_kind, exclude=dst,
                        fields=declared)
     if base_classes and plan.labelled:

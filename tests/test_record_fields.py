@@ -15,6 +15,7 @@ import packer
 from packer.errors import PackError
 from reader import CUDAPrefetcher, PackedDataset, make_loader
 from reader.format import FormatError, container, load_manifest
+from reader.format.fields import FieldSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 COUNT = 7
@@ -152,6 +153,16 @@ def test_bad_rows_are_named_by_line(tmp_path: Path, edit, declared, message) -> 
     src = make_source(tmp_path, labels)
     with pytest.raises(PackError, match=message):
         packer.pack(src, tmp_path / "out", labels=src / "labels.jsonl", workers=0, progress=False, fields=declared)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_declared_field_spec_must_be_named_by_its_key(tmp_path: Path) -> None:
+    """Else the manifest would name one field twice and the finished dataset would not open."""
+    src = make_source(tmp_path)
+    message = r"^fields: the key 'id' holds a FieldSpec named 'score' \(a field's key is its name\)$"
+    with pytest.raises(PackError, match=message):
+        packer.pack(src, tmp_path / "out", labels=src / "labels.jsonl", workers=0, progress=False,
+                    fields={"id": FieldSpec("score", "float")})
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
