@@ -17,7 +17,7 @@ from packer.cleanup import Terminated
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, class_counts, describe_transform, info
 from packer.joining import join_datasets
-from packer.labels_file import declare_field, field_declaration
+from packer.labels_file import declare_field
 from packer.merging import merge_parts
 from packer.packing import ON_ERROR, pack
 from packer.partitions import Part, parse_part
@@ -369,7 +369,7 @@ def _print_info(summary: DatasetInfo) -> None:
         ("dataset", summary.path),
         ("records", f"{summary.records} in {len(summary.classes)} classes ({classes})" if summary.labelled
          else f"{summary.records}, unlabelled"),
-        ("fields", "; ".join(field_declaration(FieldSpec.from_json(f, summary.path)) for f in summary.fields)
+        ("fields", "; ".join(FieldSpec.from_json(f, summary.path).declaration() for f in summary.fields)
          or "none"),
         ("shards", f"{summary.shards} {summary.storage} files, {_megabytes(summary.bytes_on_disk)} on disk"
                    + (f"; {len(summary.missing_shards)} MISSING ({', '.join(summary.missing_shards[:3])}"

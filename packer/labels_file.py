@@ -63,18 +63,6 @@ def declare_field(text: str) -> FieldSpec:
         raise PackError(f"field declaration {text!r}: {e}") from None
 
 
-def field_declaration(spec: FieldSpec, most_classes: int = 5) -> str:
-    """``spec`` as ``declare_field`` reads it (``emb:vector:512``, ``tags:labels:cat,dog``), for people:
-    a label field's classes past ``most_classes`` are shortened to ``,...``."""
-    declaration = f"{spec.name}:{spec.type}"
-    if spec.length is not None:
-        return f"{declaration}:{spec.length}"
-    if spec.classes:
-        more = ",..." if len(spec.classes) > most_classes else ""
-        return f"{declaration}:{','.join(spec.classes[:most_classes])}{more}"
-    return declaration
-
-
 def read_label_rows(path: Path) -> tuple[list[LabelRow], list[str]]:
     """The rows of a CSV or JSON Lines labels file, and its field names in file order."""
     try:

@@ -24,7 +24,6 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from reader.batch_memory import new_batch
 from reader.dataset import Images, Indices, PackedDataset
-from reader.format.fields import FieldSpec
 
 
 class PackedView(Dataset):
@@ -87,8 +86,8 @@ class PackedView(Dataset):
             specs = [(part.path, spec) for part in self.parts for spec in part.manifest.fields if spec.name == name]
             for path, spec in specs[1:]:
                 if spec != specs[0][1]:
-                    raise ValueError(f"field {name!r} is {_described(specs[0][1])} in {specs[0][0]} but "
-                                     f"{_described(spec)} in {path}: a field batched from several datasets "
+                    raise ValueError(f"field {name!r} is {specs[0][1].declaration()} in {specs[0][0]} but "
+                                     f"{spec.declaration()} in {path}: a field batched from several datasets "
                                      "needs the same type (vector length, label classes) in each")
 
     def field_batch(self, positions: Indices, names: Sequence[str]) -> dict[str, Any]:
@@ -221,15 +220,6 @@ def _resolve(dataset: Dataset) -> tuple[list, np.ndarray, np.ndarray | None]:
         f"make_loader, ShardSampler and split take a PackedDataset, a Subset or a ConcatDataset of them, "
         f"not {type(dataset).__name__}; give this dataset to a plain torch DataLoader instead "
         f"(PackedDataset works there like any map-style dataset)")
-
-
-def _described(spec: FieldSpec) -> str:
-    """A field's type as ``--field`` declares it, for a message: ``vector:512``, ``labels:cat,dog``."""
-    if spec.length is not None:
-        return f"vector:{spec.length}"
-    if spec.classes is not None:
-        return f"labels:{','.join(spec.classes[:5])}{',...' if len(spec.classes) > 5 else ''}"
-    return spec.type
 
 
 def _name(dataset: Dataset) -> str:

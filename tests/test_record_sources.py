@@ -149,8 +149,9 @@ def test_a_concatenation_refuses_a_field_whose_type_differs(two_datasets: list[P
     src = _csv_source(tmp_path, ["path,label,id"] + [f"{k}.png,a,{k}.5" for k in range(4)])
     packer.pack(src, tmp_path / "out", labels=src / "labels.csv", crop=(6, 5), workers=0, progress=False)
     dataset = ConcatDataset([PackedDataset(two_datasets[0]), PackedDataset(tmp_path / "out")])
-    with pytest.raises(ValueError, match=rf"^field 'id' is int in {two_datasets[0]} but float in {tmp_path / 'out'}: "
-                                         r"a field batched from several datasets needs the same type"):
+    with pytest.raises(ValueError, match=rf"^field 'id' is id:int in {two_datasets[0]} but id:float in "
+                                         rf"{tmp_path / 'out'}: a field batched from several datasets needs the same "
+                                         "type"):
         make_loader(dataset, 8, num_workers=0, fields=["source", "id"])
     batch = next(iter(make_loader(dataset, 8, num_workers=0, order="sequential", fields=["source"])))
     assert batch["source"] == [f"{k}.png" for k in range(4)] * 2

@@ -64,6 +64,17 @@ class FieldSpec:
         if self.classes is not None and self.type != "labels":
             raise ValueError(f"field {self.name!r}: classes are given for labels fields only")
 
+    def declaration(self, most_classes: int = 5) -> str:
+        """The field as ``--field`` declares it (``emb:vector:512``, ``tags:labels:cat,dog``), for people:
+        a label field's classes past ``most_classes`` are shortened to ``,...``."""
+        declaration = f"{self.name}:{self.type}"
+        if self.length is not None:
+            return f"{declaration}:{self.length}"
+        if self.classes:
+            more = ",..." if len(self.classes) > most_classes else ""
+            return f"{declaration}:{','.join(self.classes[:most_classes])}{more}"
+        return declaration
+
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "type": self.type}
         if self.length is not None:
