@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ddp_helpers import free_port, run_ranks
 from gpu_helpers import MEAN, STD, batch_of
 from reader_helpers import SMALL_RAW_COUNT
 
@@ -21,12 +20,6 @@ from reader import CUDAPrefetcher, GPUDataset, PackedDataset, make_loader
 WORLD = 2
 SEED = 11
 SAVE_AFTER = 2
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def prefetcher_over_loader(dataset: PackedDataset) -> CUDAPrefetcher:
@@ -74,7 +67,7 @@ def ranks(raw_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict
     # The ranks run on the CPU: fork starts them in a fraction of a second, unless this process has
     # initialised CUDA, which a forked child cannot use (then spawn, a few seconds).
     method = "spawn" if torch.cuda.is_initialized() else "fork"
-    mp.start_processes(rank_main, args=(free_port(), raw_path, out), nprocs=WORLD, start_method=method)
+    run_ranks(rank_main, (free_port(), raw_path, out), WORLD, method)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ddp_helpers import free_port, run_ranks
 from reader_helpers import make_images, pack_images
 from torch.utils.data import Subset
 
@@ -92,12 +91,6 @@ def ddp_session(rank: int, path: str, port: int, out: str, one_rank_state: dict)
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The dataset, what one rank read of the resume subset before saving (1 -> 2), and each rank's
@@ -113,8 +106,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     one_rank_before = [identify(ids, next(batches)[0])]
     one_rank_state = one_rank.state_dict()
     del batches
-    mp.start_processes(ddp_session, args=(str(path), free_port(), str(root), one_rank_state),
-                       nprocs=WORLD, start_method="spawn")
+    run_ranks(ddp_session, (str(path), free_port(), str(root), one_rank_state), WORLD, "spawn")
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {"path": path, "ds": ds, "ids": ids, "ranks": ranks, "one_rank_full": one_rank_full,
             "one_rank_before": one_rank_before}
