@@ -156,6 +156,18 @@ def test_bad_rows_are_named_by_line(tmp_path: Path, edit, declared, message) -> 
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize(("values", "message"), [
+    ([{"a": 1}, 2.5], r"line 1: field 'x': expected a finite number, got \{'a': 1\}$"),
+    ([[1, 2], 7], r"line 2: field 'x': expected a list of labels, got 7$"),  # a tie: the first kind seen
+])
+def test_a_bad_value_as_common_as_good_ones_is_named_by_line(tmp_path: Path, values, message) -> None:
+    """Two rows, one bad: the type comes from the kind of value that fits one, so the bad row is named."""
+    labels = [{"path": f"img/{k:02d}.png", "label": "cat", "x": value} for k, value in enumerate(values)]
+    src = make_source(tmp_path, labels)
+    with pytest.raises(PackError, match=message):
+        packer.pack(src, tmp_path / "out", labels=src / "labels.jsonl", workers=0, progress=False)
+
+
 def test_a_declared_field_spec_must_be_named_by_its_key(tmp_path: Path) -> None:
     """Else the manifest would name one field twice and the finished dataset would not open."""
     src = make_source(tmp_path)

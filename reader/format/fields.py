@@ -267,14 +267,18 @@ def infer_spec(name: str, values: Sequence[Any]) -> FieldSpec:
     """The type of a field from its JSON values: int, float (numbers, not all integers), str, vector
     (lists of numbers, some not integers; its length the most common one), boxes (lists of 4-number lists),
     labels (lists of strings, named classes, or of integers). When the values disagree, the type is
-    inferred from the most common kind of value (so that checking each value then names the odd rows
-    out); ``ValueError`` when even those fit no type."""
+    inferred from the most common kind of value that fits one (so that checking each value then names
+    the odd rows out, even when a bad value is as common as good ones); ``ValueError`` when no kind fits."""
     try:
         return _infer(name, list(values))
-    except ValueError:
+    except ValueError as error:
         kinds = [_kind(v) for v in values]
-        common = max(dict.fromkeys(kinds), key=kinds.count)
-        return _infer(name, [v for v, kind in zip(values, kinds) if kind == common])
+        for common in sorted(dict.fromkeys(kinds), key=kinds.count, reverse=True):  # ties: first seen first
+            try:
+                return _infer(name, [v for v, kind in zip(values, kinds) if kind == common])
+            except ValueError:
+                continue
+        raise error
 
 
 def _kind(value: Any) -> str:
