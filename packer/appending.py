@@ -47,9 +47,10 @@ def append(
     """Pack the images of ``src`` (a folder or a ``labels`` file, as for ``pack``) and add them to the
     finished dataset ``dst`` (module docstring); returns the new manifest.
 
-    A source that labels its images where the dataset does not (or the other way round), or whose
-    labels file has other fields than the dataset's (in any column order), is refused before anything is
-    packed, and so is a ``dst`` that cannot be written (read-only, no permission)."""
+    A source that labels its images where the dataset does not (or the other way round), whose labels
+    file has other fields than the dataset's (in any column order), or whose integer labels would become
+    new classes beside the dataset's named ones, is refused before anything is packed, and so is a
+    ``dst`` that cannot be written (read-only, no permission)."""
     dst = Path(dst)
     try:
         old = load_manifest(dst)
