@@ -24,6 +24,7 @@ from packer.errors import PackError
 from packer.joining import reconciled_classes
 from packer.labels_file import read_label_rows
 from packer.packing import pack
+from packer.sources import reads_as_indices
 from packer.transforms import DEFAULT_MAX_FILE_BYTES, TransformSpec
 from packer.version import __version__
 from reader.format import MANIFEST_NAME, FormatError, Manifest, ShardInfo, load_manifest
@@ -108,8 +109,7 @@ def _check_source_fits(
     else:
         rows, names = read_label_rows(Path(labels))
         where, labelled = Path(labels), not rows or rows[0].label is not None
-        values = [row.label for row in rows if row.label is not None]
-        indices = label_kind == "index" or (label_kind == "auto" and values and all(v.isdecimal() for v in values))
+        indices = reads_as_indices([row.label for row in rows if row.label is not None], label_kind)
         named = [name for name in old.classes if not name.isdecimal()]
         if labelled and indices and named:
             raise PackError(f"{where}: its labels are class indices, but the classes of {dst} are names "

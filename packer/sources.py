@@ -278,6 +278,13 @@ def scan_labels_file(
                 fields=specs, values=values, labelled=labelled)
 
 
+def reads_as_indices(labels: list[str], label_kind: str) -> bool:
+    """Whether a labels file's ``labels`` are class indices under ``label_kind`` (``auto``: when every one
+    is an integer; a negative one is refused when the labels are read)."""
+    return label_kind == "index" or (
+        label_kind == "auto" and bool(labels) and all(label.removeprefix("-").isdecimal() for label in labels))
+
+
 def _label_ids(rows: list[tuple[int, str, str]], csv_path: Path, label_kind: str) -> tuple[list[str], np.ndarray]:
     """Classes and int64 label ids: integers kept as they are, class names indexed in sorted order."""
     names = [label for _, _, label in rows]
@@ -288,7 +295,7 @@ def _label_ids(rows: list[tuple[int, str, str]], csv_path: Path, label_kind: str
             f"{csv_path}, line {line}: label {label!r} for {path!r} mixes class names with integer labels; "
             "pass --label-kind index (integers only) or --label-kind name (every label a class name)"
         )
-    if label_kind == "index" or (label_kind == "auto" and names and all(is_index)):
+    if reads_as_indices(names, label_kind):
         return _index_labels(rows, csv_path)
     classes = sorted(set(names))
     index = {name: i for i, name in enumerate(classes)}

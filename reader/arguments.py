@@ -34,3 +34,11 @@ def saved_state(state: Any, keys: Sequence[str]) -> dict:
         raise ValueError(f"saved state has no {', '.join(missing)} (loading it needs {', '.join(keys)}), "
                          f"got keys {sorted(map(str, state))}")
     return state
+
+
+def saved_position(state: Any, *more_keys: str) -> tuple[dict, int, int, int]:
+    """A ``GPUDataset``'s or ``CUDAPrefetcher``'s saved state (holding ``more_keys`` too) and its checked
+    ``(epoch, batches, seed)``: where the saved run was and what its draws were seeded with."""
+    state = saved_state(state, ("epoch", "batches", "seed", *more_keys))
+    return (state, whole_number("saved epoch", state["epoch"]), whole_number("saved batches", state["batches"]),
+            whole_number("saved seed", state["seed"]))

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
-from reader.arguments import saved_state, true_or_false, whole_number
+from reader.arguments import saved_position, true_or_false, whole_number
 from reader.augment import BatchAugment, augment_from, seeded_generator
 from reader.prefetcher import default_device
 from reader.ranks import rank_and_world_size
@@ -203,9 +203,7 @@ class GPUDataset:
         """Restore a ``state_dict()``: the next iteration yields the batch after the saved ones, with the
         same order and augmentation draws as the saved run. A state that is not such a dict, or has an
         entry missing or mistyped, raises ``TypeError``/``ValueError`` naming it."""
-        state = saved_state(state, ("epoch", "batches", "seed"))
-        seed, epoch = whole_number("saved seed", state["seed"]), whole_number("saved epoch", state["epoch"])
-        self.seed, self.epoch, self._resume_at = seed, epoch, whole_number("saved batches", state["batches"])
+        _, self.epoch, self._resume_at, self.seed = saved_position(state)
         self._position = (self.epoch, self._resume_at)
 
     def epoch_indices(self, epoch: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
-from reader.arguments import saved_state, whole_number
+from reader.arguments import saved_position, whole_number
 from reader.augment import BatchAugment, augment_from, seeded_generator
 from reader.ranks import rank_and_world_size
 
@@ -132,9 +132,7 @@ class CUDAPrefetcher:
         or mistyped, raises ``TypeError``/``ValueError`` naming it, before the loader's state is touched."""
         if not hasattr(self.loader, "load_state_dict"):
             raise TypeError(f"{type(self.loader).__name__} has no load_state_dict(): cannot resume it")
-        state = saved_state(state, ("epoch", "batches", "seed", "loader"))
-        seed, epoch = whole_number("saved seed", state["seed"]), whole_number("saved epoch", state["epoch"])
-        batches = whole_number("saved batches", state["batches"])
+        state, epoch, batches, seed = saved_position(state, "loader")
         self.loader.load_state_dict(state["loader"])
         self.seed, self.epoch, self._resume_at = seed, epoch, batches
         self._position = dict(state)
