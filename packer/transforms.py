@@ -7,8 +7,10 @@ Steps, in this order (recorded in the manifest's ``transform`` as ``steps``):
    (1/2, 1/4, 1/8) that still gives at least the final resize target. It only kicks in when the target
    is at least 2x smaller than the stored image. The target is computed from the image as displayed,
    so an EXIF rotation of 90/270 degrees swaps the requested width and height. JPEGs that PIL reads
-   as RGB or L are decoded by libjpeg-turbo through simplejpeg at that same scale (PIL's pixels,
-   faster); PIL decodes everything else, and any JPEG simplejpeg reports a problem with.
+   as RGB or L are decoded by libjpeg-turbo at that same scale (PIL's pixels, faster): only the
+   rectangle the resize and crop read where ``packer.jpeg_region`` is built and applies (the PIL
+   resampler, a crop inside the image, no EXIF rotation), whole through simplejpeg otherwise; PIL
+   decodes everything else, and any JPEG libjpeg-turbo reports a problem with.
 3. **exif_transpose**: apply the EXIF orientation tag (the transposes ``ImageOps.exif_transpose``
    applies).
 4. **to_rgb**, the colour rule, giving RGB uint8:
@@ -49,6 +51,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
+from packer import jpeg_region
 from packer.resampling import RESAMPLERS, resampler_library, torch_resize
 from reader.format import ENCODINGS, encoding
 
@@ -80,7 +83,7 @@ _ORIENTATION_TRANSPOSE = {
     7: Image.Transpose.TRANSVERSE,
     8: Image.Transpose.ROTATE_90,
 }
-_TURBO_COLOURSPACES = {"RGB": "RGBX", "L": "GRAY"}
+_TURBO_COLOURSPACES = ("RGB", "L")
 T = TypeVar("T")
 
 
@@ -285,7 +288,7 @@ def _upright(
     rotated = orientation in _ORIENTATION_TRANSPOSE and orientation >= 5
     target = resize_target(*((height, width) if rotated else (width, height)), spec.pil_resize)
     draft = None if spec.resize is None else (target[1], target[0]) if rotated else target
-    out = _decode(img, data, draft)
+    out = _decode(img, data, draft, _kept(target, spec) if orientation not in _ORIENTATION_TRANSPOSE else None)
     if orientation in _ORIENTATION_TRANSPOSE:
         out = out.transpose(_ORIENTATION_TRANSPOSE[orientation])
     return finish(to_rgb(out), img, target, spec)
@@ -338,32 +341,59 @@ def read_source_file(path: str | Path, max_bytes: int) -> bytes:
     return data
 
 
-def _decode(img: Image.Image, data: bytes, draft: tuple[int, int] | None) -> Image.Image:
+def _kept(target: tuple[int, int], spec: TransformSpec) -> tuple[tuple[int, int], tuple[int, int, int, int]] | None:
+    """``(target, crop box)`` when the resize to ``target`` reads only part of the image: the PIL
+    resampler with a center crop inside the target (``resize_and_crop``'s fused path); else None."""
+    box, inside = _crop_box(target, spec.pil_crop)
+    return (target, box) if spec.resampler == "pil" and inside and box is not None else None
+
+
+def _decode(
+    img: Image.Image, data: bytes, draft: tuple[int, int] | None,
+    kept: tuple[tuple[int, int], tuple[int, int, int, int]] | None = None,
+) -> Image.Image:
     """The pixels of the opened ``img`` (whose file bytes are ``data``), at a reduced JPEG scale
     when ``draft`` asks for it.
 
-    A JPEG that PIL reads as RGB or L is decoded straight from its bytes by libjpeg-turbo (simplejpeg),
-    at exactly the scale PIL's ``draft`` would pick: the same pixels as PIL, without PIL's chunked
-    decoding. Colour comes out as RGBX, PIL's own memory layout for RGB, wrapped without a copy; the
-    caller turns it into RGB once the image is small. When simplejpeg reports any problem with the
-    data, PIL decodes it instead and has the last word on whether the file is readable.
+    A JPEG that PIL reads as RGB or L is decoded straight from its bytes by libjpeg-turbo, at exactly
+    the scale PIL's ``draft`` would pick: the same pixels as PIL, without PIL's chunked decoding. When
+    ``kept`` says the resize to ``target`` then reads only ``crop box`` of it (``_kept``), only the
+    source rectangle that reads is decoded (``packer.jpeg_region``, where it is built; the other pixels
+    are never read); otherwise simplejpeg decodes it whole. Colour comes out as RGBX, PIL's own memory
+    layout for RGB, wrapped without a copy; the caller turns it into RGB once the image is small. When
+    libjpeg-turbo reports any problem with the data, PIL decodes it instead and has the last word on
+    whether the file is readable.
     """
     if img.format == "JPEG" and img.mode in _TURBO_COLOURSPACES:
         scale = _draft_scale(img.size, draft)
-        width, height = (-(-img.width // scale), -(-img.height // scale))
-        try:
-            pixels = simplejpeg.decode_jpeg(
-                data, colorspace=_TURBO_COLOURSPACES[img.mode], min_width=width, min_height=height
-            )
-        except ValueError:
-            pixels = None
-        if pixels is not None and pixels.shape[:2] == (height, width):
+        size = (-(-img.width // scale), -(-img.height // scale))
+        pixels = _turbo_decode(data, img.mode == "L", scale, size, kept)
+        if pixels is not None and pixels.shape[:2] == (size[1], size[0]):
             mode = "L" if img.mode == "L" else "RGBX"
-            return Image.frombuffer(mode, (width, height), pixels, "raw", mode, 0, 1)
+            return Image.frombuffer(mode, size, pixels, "raw", mode, 0, 1)
     if img.format == "JPEG" and draft is not None:
         img.draft("RGB", draft)
     img.load()
     return img
+
+
+def _turbo_decode(
+    data: bytes, gray: bool, scale: int, size: tuple[int, int],
+    kept: tuple[tuple[int, int], tuple[int, int, int, int]] | None,
+) -> np.ndarray | None:
+    """libjpeg-turbo's decode of ``data`` at ``1/scale`` (an image of ``size``): only the rectangle
+    ``kept`` needs where it is smaller than the image and the region decoder is available, else whole;
+    None when libjpeg-turbo reports a problem."""
+    try:
+        if kept is not None and jpeg_region.available():
+            box = jpeg_region.source_box(size, *kept)
+            if box != (0, 0, *size):
+                return jpeg_region.decode(data, gray, scale, size, box)
+        return simplejpeg.decode_jpeg(
+            data, colorspace="GRAY" if gray else "RGBX", min_width=size[0], min_height=size[1]
+        )
+    except ValueError:
+        return None
 
 
 def _draft_scale(size: tuple[int, int], draft: tuple[int, int] | None) -> int:
