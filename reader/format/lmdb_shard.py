@@ -25,7 +25,11 @@ from reader.format.records import parse_npy_array, parse_npy_table
 
 TABLE_KEY = b"~table"
 ARRAY_KEY_PREFIX = b"~array/"
-_COMMIT_BYTES = 64 << 20
+# Records are committed in transactions of about this many payload bytes. Small enough that LMDB's dirty
+# pages stay in the CPU cache between the copy in and the write out (and are reused, warm, by the next
+# transaction): measured packing 150 KB raw records, 64 MiB transactions cost 0.19-0.29 ms of CPU a
+# record, 1 MiB ones 0.06 (the whole pack 1.60 -> 1.45 ms an image); 256 KiB was no better.
+_COMMIT_BYTES = 1 << 20
 _INITIAL_MAP_SIZE = 1 << 30
 # Where LMDB's two meta pages keep what ``check_lmdb_meta`` reads (liblmdb 0.9, 64-bit): each page is a
 # 16-byte page header, then MDB_meta: magic, version, address, map size, two 48-byte MDB_db records
