@@ -9,8 +9,7 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from packer.transforms import ImageSource, SourceFileError, TransformSpec, load_image, load_raw_record
-from reader.format import encoding
+from packer.transforms import ImageSource, SourceFileError, TransformSpec, load_record
 
 
 class Encoded(NamedTuple):
@@ -34,10 +33,7 @@ def encode_image(source: ImageSource, spec: TransformSpec) -> Encoded | Failure:
     file's ``Failure``, so that one bad file can be skipped rather than stop the whole pack.
     """
     try:
-        if spec.encoding == "raw":
-            return Encoded(*load_raw_record(source, spec))
-        img = load_image(source, spec)
-        return Encoded(encoding(spec.encoding).encode(img, spec.quality), img.height, img.width)
+        return Encoded(*load_record(source, spec))
     except Exception as e:
         return Failure(describe_failure(e))
 

@@ -18,7 +18,7 @@ class PngEncoding(Encoding):
 
     def encode(self, image: Image.Image, quality: int) -> bytes:
         out = io.BytesIO()
-        image.save(out, format="PNG")
+        image.convert("RGB").save(out, format="PNG")  # PNG has no RGBX
         return out.getvalue()
 
     def decode_into(self, payload: memoryview, out: np.ndarray, *, fast: bool, release_gil: bool) -> None:

@@ -12,7 +12,7 @@ from PIL import Image
 
 from packer import jpeg_region
 from packer.encoding import Failure, encode_image
-from packer.transforms import TransformSpec, load_image, load_raw_record
+from packer.transforms import TransformSpec, load_image, load_record
 
 needs_region = pytest.mark.skipif(
     not jpeg_region.available(), reason="packer._jpeg_region is not built (no compiler or libjpeg-turbo headers)"
@@ -60,12 +60,12 @@ def test_region_decode_gives_the_records_of_a_whole_decode_and_of_plain_pil(
     calls: list[tuple[int, int, int, int]] = []
     decode = jpeg_region.decode
     monkeypatch.setattr(jpeg_region, "decode", lambda *args: calls.append(args[4]) or decode(*args))
-    region_raw, region_image = load_raw_record(path, spec), np.asarray(load_image(path, spec))
+    region_raw, region_image = load_record(path, spec), np.asarray(load_image(path, spec))
     box = calls[0]
     size = (width, height) if width < 1000 else ((width + 1) // 2, (height + 1) // 2)
     assert len(calls) == 2 and (box[2] - box[0]) * (box[3] - box[1]) < 0.9 * size[0] * size[1]
     monkeypatch.setattr(jpeg_region, "_checked", False)
-    assert load_raw_record(path, spec) == region_raw
+    assert load_record(path, spec) == region_raw
     np.testing.assert_array_equal(np.asarray(load_image(path, spec)), region_image)
     # plain PIL, independently: decode (with PIL's draft), convert, resize the crop's box
     np.testing.assert_array_equal(region_image, reference_pixels(path, 256, 224, draft=width > 1000))
@@ -79,7 +79,7 @@ def test_pixels_outside_the_rectangle_are_never_read(
     """The region decoder leaves the rest of its buffer unwritten: whatever is there, same record."""
     paths = [_photo(tmp_path / f"{i}.jpg", w, h, o, seed=i) for i, (w, h, o) in enumerate(CASES)]
     spec = TransformSpec(resize=256, crop=224)
-    expected = [load_raw_record(path, spec) for path in paths]
+    expected = [load_record(path, spec) for path in paths]
 
     def into_filled(data: bytes, gray: bool, scale: int, size: tuple[int, int], box: tuple[int, ...]) -> np.ndarray:
         out = np.full((size[1], size[0]) if gray else (size[1], size[0], 4), fill, np.uint8)
@@ -87,7 +87,7 @@ def test_pixels_outside_the_rectangle_are_never_read(
         return out
 
     monkeypatch.setattr(jpeg_region, "decode", into_filled)
-    assert [load_raw_record(path, spec) for path in paths] == expected
+    assert [load_record(path, spec) for path in paths] == expected
 
 
 @needs_region
@@ -169,7 +169,7 @@ def test_no_region_where_the_resize_reads_the_whole_image(
     """No crop, a crop larger than the image (padding), or torch's resize of the whole image: whole decode."""
     path = _photo(tmp_path / "a.jpg", 300, 260, {"subsampling": 2}, seed=2)
     monkeypatch.setattr(jpeg_region, "decode", lambda *args: pytest.fail("region decode used"))
-    load_raw_record(path, TransformSpec(resize=resize, crop=crop, resampler=resampler))
+    load_record(path, TransformSpec(resize=resize, crop=crop, resampler=resampler))
 
 
 def test_no_region_for_an_exif_rotated_photo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,7 @@ import packer
 import packer.resampling
 from packer.cli import main
 from packer.resampling import default_resampler, is_pillow_simd
-from packer.transforms import TransformSpec, load_image, load_raw_record
+from packer.transforms import TransformSpec, load_image, load_record
 from reader.format import encoding
 
 
@@ -94,12 +94,15 @@ def test_the_default_is_pil_with_pillow_simd_and_torch_with_plain_pillow(monkeyp
 
 @pytest.mark.parametrize("resampler", ["pil", "torch"])
 @pytest.mark.parametrize(("resize", "crop"), [(32, 24), (32, None), (20, 28), (None, 40), (40, 40)])
-def test_the_raw_record_is_the_encoded_image(tmp_path: Path, resampler: str, resize: int | None,
-                                             crop: int | None) -> None:
-    """``load_raw_record`` (torch's shortcut from the tensor) gives the bytes of
-    ``encoding("raw").encode(load_image())``: with a crop, without, a padding crop, no resize, a resize to
-    the image's own size."""
-    path = noisy_photo(tmp_path / "a.png", 40 if resize == 40 else 61, 40 if resize == 40 else 47, seed=1)
-    spec = TransformSpec(resize=resize, crop=crop, resampler=resampler)
+@pytest.mark.parametrize("kind", ["raw", "jpeg"])
+@pytest.mark.parametrize("suffix", [".png", ".jpg"])
+def test_the_record_is_the_encoded_image(tmp_path: Path, resampler: str, resize: int | None,
+                                         crop: int | None, kind: str, suffix: str) -> None:
+    """``load_record`` (RGBX from the JPEG decode handed to the encoding; torch's raw shortcut from the
+    tensor) gives the bytes of ``encoding(kind).encode(load_image())``: with a crop, without, a padding
+    crop, no resize, a resize to the image's own size."""
+    path = noisy_photo(tmp_path / f"a{suffix}", 40 if resize == 40 else 61, 40 if resize == 40 else 47, seed=1)
+    spec = TransformSpec(resize=resize, crop=crop, resampler=resampler, encoding=kind)
     image = load_image(path, spec)
-    assert load_raw_record(path, spec) == (encoding("raw").encode(image, 90), image.height, image.width)
+    assert image.mode == "RGB"
+    assert load_record(path, spec) == (encoding(kind).encode(image, 90), image.height, image.width)

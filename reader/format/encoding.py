@@ -23,7 +23,9 @@ class Encoding(abc.ABC):
 
     @abc.abstractmethod
     def encode(self, image: Image.Image, quality: int) -> bytes:
-        """The payload of an RGB image (``quality`` is used by lossy encodings only)."""
+        """The payload of an RGB image (``quality`` is used by lossy encodings only). The image is PIL
+        mode ``RGB`` or ``RGBX`` (PIL's in-memory layout of RGB, the same three bands, which the packer's
+        JPEG decode gives): an encoding whose library cannot take ``RGBX`` converts it."""
 
     def decode_into(self, payload: memoryview, out: np.ndarray, *, fast: bool, release_gil: bool) -> None:
         """Decode a payload into ``out``, a C-contiguous ``uint8 (H, W, 3)`` array of the record's size;

@@ -14,6 +14,7 @@ class JpegEncoding(Encoding):
     name = "jpeg"
 
     def encode(self, image: Image.Image, quality: int) -> bytes:
+        """PIL's JPEG writer takes RGBX as it is (the same bytes as from the RGB image)."""
         out = io.BytesIO()
         image.save(out, format="JPEG", quality=quality, subsampling="4:2:0", optimize=False, progressive=False)
         return out.getvalue()
