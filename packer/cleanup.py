@@ -20,8 +20,9 @@ from typing import Iterable, Iterator
 
 from packer.errors import PackError
 
-# A write that fails while less than this is free counts as a full disk: the largest single write of a
-# pack is an LMDB commit of 64 MiB.
+# A write that fails while less than this is free counts as a full disk: a pack writes a record, an
+# LMDB commit (about 1 MiB of records) or a shard's table at a time, far less than this unless one
+# record is larger.
 NEARLY_FULL_BYTES = 64 << 20
 _TEMPORARY = re.compile(
     r"(part-(?P<partition>\d{5,})-)?shard-\d{5,}\.(lmdb|h5)\.(tmp|spool)|manifest\.json\.tmp"
