@@ -14,9 +14,9 @@
  *   gray:         True for 1-channel output (JCS_GRAYSCALE), False for 4-channel RGBX (PIL's RGB layout)
  *   scale_denom:  1, 2, 4 or 8: decode at 1/scale_denom of the stored size (reduced-size inverse DCT)
  *   left..bottom: the rectangle, in pixels of the scaled image
- *   out:          a writable C-contiguous buffer of exactly height * width * channels bytes of the scaled
- *                 image; only the rectangle's rows (and the image's last row), from an iMCU boundary at
- *                 or left of `left`, are written
+ *   out:          a writable C-contiguous buffer of bytes shaped (height, width, 4), or (height, width) when
+ *                 gray, for the scaled image; only the rectangle's rows (and the image's last row), from
+ *                 an iMCU boundary at or left of `left`, are written
  * Raises ValueError on any libjpeg error or warning (corrupt data, truncated file), or when the rectangle
  * or the buffer does not fit the scaled image. The GIL is released while libjpeg runs.
  */
@@ -49,11 +49,23 @@ static void on_message(j_common_ptr cinfo, int level) {
     if (level < 0) on_error(cinfo);
 }
 
+/* Whether `out` is shaped (height, width, channels), or (height, width) for one channel, in bytes. */
+static int fits(const Py_buffer *out, JDIMENSION width, JDIMENSION height, int channels) {
+    if (out->itemsize != 1 || out->ndim != (channels == 1 ? 2 : 3)) return 0;
+    if (out->shape[0] != (Py_ssize_t)height || out->shape[1] != (Py_ssize_t)width) return 0;
+    return channels == 1 || out->shape[2] == channels;
+}
+
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer data, out;
+    PyObject *out_object;
     int gray, denom, left, top, right, bottom;
-    if (!PyArg_ParseTuple(args, "y*piiiiiw*", &data, &gray, &denom, &left, &top, &right, &bottom, &out))
+    if (!PyArg_ParseTuple(args, "y*piiiiiO", &data, &gray, &denom, &left, &top, &right, &bottom, &out_object))
         return NULL;
+    if (PyObject_GetBuffer(out_object, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
     struct jpeg_decompress_struct cinfo;
     struct region_error err;
     volatile int failed = 0, misfit = 0;
@@ -81,13 +93,14 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         cinfo.scale_denom = denom;
         cinfo.dct_method = JDCT_ISLOW;
         cinfo.do_fancy_upsampling = TRUE;
-        jpeg_start_decompress(&cinfo);
+        jpeg_calc_output_dimensions(&cinfo);  /* checked before jpeg_start_decompress allocates for the image */
         const JDIMENSION width = cinfo.output_width, height = cinfo.output_height;
-        if ((Py_ssize_t)width * height * channels != out.len || cinfo.output_components != channels
+        if (!fits(&out, width, height, channels) || cinfo.output_components != channels
             || left < 0 || top < 0 || right > (int)width || bottom > (int)height || left >= right
             || top >= bottom) {
             misfit = 1;
         } else {
+            jpeg_start_decompress(&cinfo);
             JDIMENSION xoffset = left, columns = right - left;
             if (left > 0 || right < (int)width) jpeg_crop_scanline(&cinfo, &xoffset, &columns);
             if (top > 0) jpeg_skip_scanlines(&cinfo, top);

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import simplejpeg
 from pack_helpers import reference_pixels, smooth_rgb
 from PIL import Image
 
@@ -18,8 +19,9 @@ needs_region = pytest.mark.skipif(
     not jpeg_region.available(), reason="packer._jpeg_region is not built (no compiler or libjpeg-turbo headers)"
 )
 
-# (width, height, save options): every chroma subsampling, progressive, greyscale, odd sizes, a 16:9
-# photo, a portrait one, and one big enough for the 1/2-scale draft decode.
+# (width, height, save options): every chroma subsampling (4:4:0 and 4:1:1, which PIL does not write,
+# by simplejpeg), progressive, greyscale, odd sizes, a 16:9 photo, a portrait one, and one big enough
+# for the 1/2-scale draft decode.
 CASES = [
     (500, 375, {"subsampling": 2}),
     (500, 375, {"subsampling": 1}),
@@ -29,6 +31,8 @@ CASES = [
     (257, 256, {"subsampling": 2}),
     (1103, 811, {"subsampling": 2}),
     (471, 353, {"grey": True}),
+    (500, 375, {"simplejpeg": "440"}),
+    (375, 500, {"simplejpeg": "411"}),
 ]
 
 
@@ -39,7 +43,10 @@ def _photo(path: Path, width: int, height: int, options: dict[str, Any], seed: i
     options = dict(options)
     if options.pop("grey", False):
         img = img.convert("L")
-    img.save(path, quality=90, **options)
+    if "simplejpeg" in options:
+        path.write_bytes(simplejpeg.encode_jpeg(np.asarray(img), 90, "RGB", options["simplejpeg"]))
+    else:
+        img.save(path, quality=90, **options)
     return path
 
 
@@ -136,6 +143,19 @@ def test_the_decoder_refuses_a_rectangle_or_buffer_that_does_not_fit(tmp_path: P
         decode(data, False, 1, 0, 0, 65, 48, np.empty((48, 64, 4), np.uint8))
     with pytest.raises(ValueError, match="does not fit the scaled image"):
         decode(data, False, 2, 0, 0, 10, 10, np.empty((48, 64, 4), np.uint8))  # a buffer for scale 1
+    for misshaped in (np.empty((64, 48, 4), np.uint8), np.empty(48 * 64 * 4, np.uint8),
+                      np.empty((48, 64, 2, 2), np.uint8), np.empty((48, 64, 2), np.uint16)):
+        with pytest.raises(ValueError, match="does not fit the scaled image"):  # the right size, not shape
+            decode(data, False, 1, 0, 0, 10, 10, misshaped)
+    with pytest.raises(ValueError, match="does not fit the scaled image"):
+        decode(data, True, 1, 0, 0, 10, 10, np.empty((48, 64 * 4), np.uint8))  # grey wants (48, 64)
+    huge = bytearray(data)  # a header claiming 65000x65000 pixels: refused before any decoding
+    sof = huge.find(b"\xff\xc0")
+    huge[sof + 5:sof + 9] = (65000).to_bytes(2, "big") * 2
+    with pytest.raises(ValueError, match="does not fit the scaled image"):
+        decode(bytes(huge), False, 1, 0, 0, 10, 10, np.empty((48, 64, 4), np.uint8))
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        decode(data, False, 1, 0, 0, 10, 10, np.empty((64, 48, 4), np.uint8).transpose(1, 0, 2))
     with pytest.raises(ValueError, match="JPEG region decode failed: Not a JPEG file"):
         decode(b"GIF89a" + bytes(100), False, 1, 0, 0, 10, 10, np.empty((48, 64, 4), np.uint8))
 
@@ -147,8 +167,6 @@ def test_a_decoder_that_disagrees_with_simplejpeg_is_not_used(monkeypatch: pytes
         @staticmethod
         def decode(data: bytes, gray: bool, scale: int, left: int, top: int, right: int, bottom: int,
                    out: np.ndarray) -> None:
-            import simplejpeg
-
             out[:, 1:] = simplejpeg.decode_jpeg(data, colorspace="RGBX")[:, :-1]
 
     monkeypatch.setattr(jpeg_region, "_extension", lambda: Shifted)
