@@ -14,8 +14,9 @@ Blocks of one document share that directory (a later block may read what an earl
 every document reads as a walk-through. ``packer`` on PATH is this checkout's (``python -m packer``) and
 ``python`` is this interpreter. A block is skipped when the line right before its fence is
 ``<!-- skip: REASON -->``; blocks that need CUDA, Slurm or a cluster are marked so. Blocks that only show
-output or a file are ```text (or another language that is not run). Every block has a timeout that
-fails the test.
+output or a file are ```text (or another language that is not run). Consecutive Python blocks run in one
+interpreter, each as ``__main__`` with fresh globals (torch is imported once for them, not per block).
+Every block has a timeout that fails the test.
 """
 from __future__ import annotations
 
@@ -153,15 +154,51 @@ def tools(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return env
 
 
-def _command(block: Block, workdir: Path) -> list[str]:
+# Runs the Python blocks given as files, each as ``__main__`` with fresh globals, in one interpreter (so
+# torch is imported once per run of consecutive blocks, not once per block); names each before it runs.
+_PYTHON_RUNNER = """
+import runpy, sys
+for script in sys.argv[1:]:
+    print(f"=== {script}", file=sys.stderr, flush=True)
+    runpy.run_path(script, run_name="__main__")
+"""
+
+
+def _groups(blocks: list[Block]) -> list[list[Block]]:
+    """The blocks to run, consecutive Python blocks together (one interpreter), others one by one."""
+    groups: list[list[Block]] = []
+    for block in blocks:
+        python = RUN[block.language] == "python"
+        if python and groups and RUN[groups[-1][-1].language] == "python":
+            groups[-1].append(block)
+        else:
+            groups.append([block])
+    return groups
+
+
+def _command(group: list[Block], workdir: Path) -> list[str]:
+    block = group[0]
     if RUN[block.language] == "python":
-        script = workdir / f".block-{block.line}.py"
-        script.write_text(block.code)
-        return [sys.executable, str(script)]
+        scripts = []
+        for each in group:
+            script = _script(each, workdir)
+            script.write_text(each.code)
+            scripts.append(str(script))
+        return [sys.executable, "-c", _PYTHON_RUNNER, *scripts]
     code = block.code
     if RUN[block.language] == "console":  # only the "$ command" lines; the rest is output
         code = "\n".join(line[2:] for line in code.splitlines() if line.startswith("$ ")) + "\n"
     return ["bash", "-euo", "pipefail", "-c", code]
+
+
+def _script(block: Block, workdir: Path) -> Path:
+    return workdir / f".block-{block.document.stem}-{block.line}.py"
+
+
+def _failed_block(group: list[Block], workdir: Path, stderr: str) -> Block:
+    """The block of ``group`` that was running when it failed: the last one the runner named."""
+    named = [line[4:] for line in stderr.splitlines() if line.startswith("=== ")]
+    return next((b for b in group if named and str(_script(b, workdir)) == named[-1]), group[0])
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(REPO)))
@@ -169,15 +206,16 @@ def test_document_blocks_run(document: Path, prepared: Path, tools: dict[str, st
     """Every runnable block of ``document`` exits 0, in order, in one copy of the prepared directory."""
     workdir = tmp_path / "work"
     shutil.copytree(prepared, workdir)
-    for block in runnable(document):
-        if block.skip is not None:
-            continue
+    for group in _groups([b for b in runnable(document) if b.skip is None]):
+        timeout = BLOCK_TIMEOUT_S * len(group)
         try:
-            done = subprocess.run(_command(block, workdir), cwd=workdir, env=tools, capture_output=True,
-                                  text=True, timeout=BLOCK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{block.where}: the {block.language} block ran past {BLOCK_TIMEOUT_S} s:\n{block.code}")
+            done = subprocess.run(_command(group, workdir), cwd=workdir, env=tools, capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            where = ", ".join(b.where for b in group)
+            pytest.fail(f"{where}: ran past {timeout} s; its output:\n{e.stderr!r}")
         if done.returncode != 0:
+            block = _failed_block(group, workdir, done.stderr)
             pytest.fail(f"{block.where}: the {block.language} block exited {done.returncode}:\n{block.code}\n"
                         f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}")
 
