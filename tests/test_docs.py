@@ -231,3 +231,28 @@ def test_blocks_are_marked() -> None:
             assert len(block.skip) > 8, f"{block.where}: say why the block is skipped"
     assert {"docs/packing.md", "docs/reading.md", "docs/gpu.md", "docs/clusters.md", "docs/format.md"} <= {
         str(d.relative_to(REPO)) for d in DOCUMENTS}
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_resolve() -> None:
+    """Every relative link of the documents names a file of the checkout, and every #anchor a heading."""
+    pages = [*DOCUMENTS, REPO / "BENCHMARKS.md", REPO / "CONTRIBUTING.md"]
+    broken = []
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(encoding="utf-8"), flags=re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
