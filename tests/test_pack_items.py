@@ -62,7 +62,7 @@ def test_the_bytes_do_not_depend_on_the_worker_count(tmp_path: Path, make_image_
 
 
 def test_a_webdataset_style_tar_stream_packs_with_its_fields(tmp_path: Path) -> None:
-    """The README's tar example: ``NAME.jpg`` + ``NAME.cls`` members read in order with ``tarfile``."""
+    """docs/packing.md's tar example: ``NAME.jpg`` + ``NAME.cls`` members read in order with ``tarfile``."""
     shard = tmp_path / "shard-000.tar"
     with tarfile.open(shard, "w") as tar:
         for k in range(4):

@@ -59,7 +59,7 @@ def ddp_session(rank: int, path: str, port: int, out: str, one_rank_state: dict)
         seen["eval"] = [{"pixels": identify(ids, images), "labels": labels.tolist(), "indices": indices.tolist(),
                          "valid": valid.tolist(), "dtypes": [str(indices.dtype), str(valid.dtype)]}
                         for images, labels, indices, valid in evaluation]
-        correct = torch.zeros((), dtype=torch.int64)  # the README's exact metric: "label is even"
+        correct = torch.zeros((), dtype=torch.int64)  # docs/reading.md's metric: "label is even"
         count = torch.zeros((), dtype=torch.int64)
         for _, labels, _, valid in evaluation:
             correct += ((labels % 2 == 0) & valid).sum()
