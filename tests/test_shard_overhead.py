@@ -26,7 +26,7 @@ def test_shard_files_are_at_most_3_percent_over_their_payloads(
     writer = DatasetWriter(tmp_path / "out", storage, 512 << 20)
     for i, (payload, h) in enumerate(zip(payloads, heights.tolist())):
         writer.add(payload, i % 2, h, h, source=f"class_{i % 10:02d}/img_{i:06d}.jpg")
-    manifest = writer.finish(encoding="raw", classes=["a", "b"], shape=None, transform={}, tool_version="test",
+    manifest = writer.finish(encoding="raw", classes=["a", "b"], shape=None, transform={}, tool_version="t",
                              source={"kind": "imagefolder", "root": "x", "files": count, "packed": count, "skipped": []})
     assert manifest.total_bytes <= 1.03 * sum(map(len, payloads))
     ds = PackedDataset(tmp_path / "out")
