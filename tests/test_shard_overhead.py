@@ -27,7 +27,8 @@ def test_shard_files_are_at_most_3_percent_over_their_payloads(
     for i, (payload, h) in enumerate(zip(payloads, heights.tolist())):
         writer.add(payload, i % 2, h, h, source=f"class_{i % 10:02d}/img_{i:06d}.jpg")
     manifest = writer.finish(encoding="raw", classes=["a", "b"], shape=None, transform={}, tool_version="t",
-                             source={"kind": "imagefolder", "root": "x", "files": count, "packed": count, "skipped": []})
+                             source={"kind": "imagefolder", "root": "x", "files": count, "packed": count,
+                                     "skipped": []})
     assert manifest.total_bytes <= 1.03 * sum(map(len, payloads))
     ds = PackedDataset(tmp_path / "out")
     for i in (0, 1, 340, 341, count // 2, count - 1):  # records inside chunks, at their edges, the last
