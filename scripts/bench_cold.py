@@ -32,6 +32,7 @@ BATCH = 256  # as bench_ffcv's loaders
 BLKIO = Path("/sys/fs/cgroup/blkio/slowdisk")
 SLOWDISK = os.environ.get("SLOWDISK", "/work/shared/tools/slowdisk")
 HERE = Path(__file__).resolve()
+CAT = ["sh", "-c", 'cat "$@" > /dev/null', "cat"]  # the files follow
 
 
 def read_epochs(dataset: str, order: str, epochs: int, workers: int) -> list[dict]:
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> None:
         dataset = Path(path)
         label = label or dataset.name
         payload, shard_bytes, files = payload_bytes(dataset)
-        seconds, nbytes, ios, _ = measured(["cat", *map(str, files)], device)
+        seconds, nbytes, ios, _ = measured(CAT + [str(f) for f in files], device)
         rate = shard_bytes / seconds
         bound = payload / rate
         print(f"{label}: payload {payload / 1e6:,.1f} MB, shards {shard_bytes / 1e6:,.1f} MB "
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> None:
     if args.ffcv:
         beton = Path(args.ffcv)
         size = beton.stat().st_size
-        seconds, nbytes, ios, _ = measured(["cat", str(beton)], device)
+        seconds, nbytes, ios, _ = measured(CAT + [str(beton)], device)
         print(f"{beton.name}: {size / 1e6:,.1f} MB; cat cold {size / seconds / 1e6:.1f} MB/s", flush=True)
         command = [args.ffcv_python, str(HERE), "ffcv", str(beton), "--epochs", str(args.epochs)]
         rows.append(_row("FFCV 1.0.2, RANDOM os_cache", command, device, args.mem, payload, size,
