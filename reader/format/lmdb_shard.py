@@ -130,7 +130,8 @@ class LmdbShardWriter(ShardWriter):
                 if view is None:
                     raise RuntimeError(f"{self.tmp_path}: chunk {first} was committed but LMDB does not find it")
                 chunk_offset[k] = np.frombuffer(view, dtype=np.uint8).ctypes.data - map_addr - within[first]
-            first_bytes = bytes(txn.get(record_key(0))[: int(nbytes[0])]) if len(table) else b""
+            first_chunk = txn.get(record_key(0)) if len(table) else None
+            first_bytes = bytes(first_chunk[: int(nbytes[0])]) if first_chunk is not None else b""
         offsets = (chunk_offset[chunk_of] + within).astype(np.uint64) if len(table) else np.zeros(0, np.uint64)
         with open(self.tmp_path, "rb") as f:
             f.seek(int(offsets[0]) if len(table) else 0)
@@ -225,7 +226,9 @@ class _CheckedValues:
     def get(self, key: bytes, what: str) -> bytes | None:
         """The value under ``key``, or None when it is absent."""
         view = self._txn.get(key)
-        return None if view is None else bounded_value(view, self._map_address, self._file_size, self._shown, what)
+        if view is None:
+            return None
+        return bounded_value(memoryview(view), self._map_address, self._file_size, self._shown, what)
 
     def record_key_from(self, index: int) -> int | None:
         """The first record key at or after record ``index`` (as a number), or None."""
