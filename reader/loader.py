@@ -51,7 +51,11 @@ class PackedLoader(HookedDataLoader):
 
     ``set_epoch(e)`` selects the epoch's order (call it before each epoch); ``state_dict()`` after
     any batch, then ``load_state_dict()`` on a new loader, yields exactly the batches the first
-    loader would have yielded next. With ``pin_batches`` each batch is copied into pinned memory in
+    loader would have yielded next. ``len()`` is always the whole epoch's number of batches, also
+    after ``load_state_dict()``: a resumed loop yields only the ``len(loader) - batches_done()``
+    batches left, so a consumer that counts from its restored position (Lightning's ``batch_idx``,
+    ``CUDAPrefetcher``'s ``"batches"``, an LR schedule sized by ``len()``) ends the epoch exactly where
+    an uninterrupted run would. With ``pin_batches`` each batch is copied into pinned memory in
     the iterating thread (torch's caching host allocator reuses those blocks), which also frees its
     shared-memory slot at once.
 
@@ -122,7 +126,13 @@ class PackedLoader(HookedDataLoader):
         state["start"] = self._epoch_start + self._yielded
         return state
 
+    def batches_done(self) -> int:
+        """Batches of the current epoch yielded before the position a resumed loop starts at."""
+        return self.stream.batches_done()
+
     def load_state_dict(self, state: dict) -> None:
+        """Continue after a ``state_dict()``: the next loop yields that epoch's batches left (``len()``
+        stays the whole epoch's)."""
         self.shard_sampler.load_state_dict(state)
         self._yielded = 0
         self._epoch_start = self.shard_sampler.start
@@ -133,7 +143,7 @@ class PackedLoader(HookedDataLoader):
         self._yielded = 0
         self._epoch_start = start
         self._releaser.release_unused()
-        count = len(self)
+        count = self.stream.batches_left()
         if count == 0:
             return
         batches = self._stream_at(epoch, start)
