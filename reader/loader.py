@@ -139,6 +139,7 @@ class PackedLoader(HookedDataLoader):
         self._stream_next = None
 
     def __iter__(self) -> Iterator[Batch | dict[str, Any]]:  # type: ignore[override]
+        self.shard_sampler.check_ranks()
         epoch, start = self.shard_sampler.epoch, self.shard_sampler.start
         self._yielded = 0
         self._epoch_start = start

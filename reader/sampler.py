@@ -83,6 +83,7 @@ class ShardSampler(Sampler[int]):
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}: expected one of {', '.join(ORDERS)}")
         distributed = dist.is_available() and dist.is_initialized()
+        self._ranks_by_default = rank is None and world_size is None and not distributed
         rank, world_size = rank_and_world_size(rank, world_size)
         if buffer_blocks < 1:
             raise ValueError(f"buffer_blocks must be positive, got {buffer_blocks}")
@@ -145,6 +146,7 @@ class ShardSampler(Sampler[int]):
         over a dataset of another size (``records``; not checked in states saved before it was recorded)
         or with a missing or mistyped entry raises ``ValueError``/``TypeError`` naming it.
         """
+        self.check_ranks()
         state = saved_state(state, ("epoch", "seed", "order", "start"))
         if state["order"] != self.order:
             raise ValueError(f"saved state is for order {state['order']!r}, this sampler uses "
@@ -175,7 +177,19 @@ class ShardSampler(Sampler[int]):
         return self.samples_done + self.samples_left
 
     def __iter__(self) -> Iterator[int]:
+        self.check_ranks()
         return iter(self.rank_order()[self.start:].tolist())
+
+    def check_ranks(self) -> None:
+        """Raise ``RuntimeError`` when this sampler took rank 0 of 1 because torch.distributed was not
+        initialised yet, and it has been since with more ranks: every rank would read the whole epoch.
+        Frameworks initialise it inside ``fit`` (Lightning), after a loader passed to it was built."""
+        if self._ranks_by_default and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"this loader was built before torch.distributed was initialised, so it reads the whole dataset "
+                f"as rank 0 of 1, and so would each of the {dist.get_world_size()} ranks: build it after "
+                "init_process_group (with Lightning: in the train_dataloader() hook of the LightningModule or "
+                "DataModule), or pass rank= and world_size=")
 
     def rank_order(self, epoch: int | None = None) -> np.ndarray:
         """This rank's whole share of ``epoch`` (default: the current one), ``start`` not applied."""
