@@ -71,9 +71,17 @@ class PackedLoader(HookedDataLoader):
     workers get that endless stream (``BatchStream.endless``) while ``batch_sampler`` itself, walked
     directly, yields one epoch.
 
+    Frameworks: Lightning uses it as it is (with ``use_distributed_sampler=False``, and built in a
+    ``train_dataloader()`` hook under DDP); accelerate's ``prepare`` returns it unchanged, since
+    every rank already reads its own share (batches stay on the host: ``CUDAPrefetcher`` moves them).
+
     ``evaluation``: each batch also carries the int64 dataset index of every sample and a bool mask,
     False for the padding samples that make the ranks' shares equal (see ``make_loader``).
     """
+
+    # accelerate's ``prepare`` returns a loader so marked as it is (``Accelerator.prepare_data_loader``):
+    # otherwise it rebuilds it around ``BatchSamplerShard``, which would split each rank's share again.
+    _is_accelerate_prepared = True
 
     def __init__(self, *args, pin_batches: bool = False, evaluation: bool = False,
                  fields: Sequence[str] | None = None, **kwargs) -> None:
