@@ -99,6 +99,8 @@ class CUDAPrefetcher:
         self._position: dict | None = None
 
     def __len__(self) -> int:
+        """The loader's batches in a whole epoch (``make_loader``'s: also when resumed mid-epoch, when an
+        iteration yields only the batches after ``state_dict()["batches"]``)."""
         return len(self.loader)
 
     def set_epoch(self, epoch: int) -> None:

@@ -29,7 +29,11 @@ under NCCL each rank's CUDA device must be set first, as DDP needs anyway), and 
 records seen twice and others never.
 
 Resume: ``start`` skips the first ``start`` samples of this rank's epoch order. It is part of
-``state_dict()`` and stays in force until ``set_epoch`` moves to another epoch. The state records the
+``state_dict()`` and stays in force until ``set_epoch`` moves to another epoch. ``len()`` stays the
+whole epoch's length (``samples_done + samples_left``) while a resumed iteration yields only the
+``samples_left``: a consumer that counts from its restored position (Lightning's ``batch_idx``, a
+``for step in range(done, len(loader))`` loop, an LR schedule sized by ``len()``) reaches the
+epoch's end exactly, as with torchdata's ``StatefulDistributedSampler``. The state records the
 number of records (a state saved over a dataset of another size is refused) and the ``world_size``;
 ranks run in lockstep (equal batches), so after ``start`` samples on each of ``w`` ranks the epoch's
 unseen samples are the tails of the ``w`` slices. Loaded with another world size, the sampler continues
@@ -79,6 +83,7 @@ class ShardSampler(Sampler[int]):
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}: expected one of {', '.join(ORDERS)}")
         distributed = dist.is_available() and dist.is_initialized()
+        self._ranks_by_default = rank is None and world_size is None and not distributed
         rank, world_size = rank_and_world_size(rank, world_size)
         if buffer_blocks < 1:
             raise ValueError(f"buffer_blocks must be positive, got {buffer_blocks}")
@@ -103,6 +108,22 @@ class ShardSampler(Sampler[int]):
         """How many samples each rank gets in the current pass (``start`` not applied)."""
         return self._fitted(self._remaining(self.history), self.world_size) // self.world_size
 
+    @property
+    def samples_done(self) -> int:
+        """How many samples each rank had yielded of this epoch before the next one this sampler yields:
+        ``start``, plus the ``start`` of every pass before a world-size change (the ranks ran in lockstep)."""
+        return sum(self.passes_done())
+
+    @property
+    def samples_left(self) -> int:
+        """How many samples an iteration yields now: this rank's share of the pass, less ``start``."""
+        return self.samples_per_rank - self.start
+
+    def passes_done(self) -> list[int]:
+        """The samples each rank had yielded in each pass of this epoch so far: one entry per world-size
+        change in ``history``, then this pass's ``start``."""
+        return [start for _, start in self.history] + [self.start]
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order to yield; moving to another epoch clears ``start``."""
         epoch = whole_number("epoch", epoch)
@@ -125,6 +146,7 @@ class ShardSampler(Sampler[int]):
         over a dataset of another size (``records``; not checked in states saved before it was recorded)
         or with a missing or mistyped entry raises ``ValueError``/``TypeError`` naming it.
         """
+        self.check_ranks()
         state = saved_state(state, ("epoch", "seed", "order", "start"))
         if state["order"] != self.order:
             raise ValueError(f"saved state is for order {state['order']!r}, this sampler uses "
@@ -150,10 +172,24 @@ class ShardSampler(Sampler[int]):
         self.epoch, self.seed, self.history, self.start = epoch, seed, history, start
 
     def __len__(self) -> int:
-        return self.samples_per_rank - self.start
+        """The whole epoch's samples on this rank: ``samples_done + samples_left`` (iteration yields
+        the ``samples_left``; the module docstring says why)."""
+        return self.samples_done + self.samples_left
 
     def __iter__(self) -> Iterator[int]:
+        self.check_ranks()
         return iter(self.rank_order()[self.start:].tolist())
+
+    def check_ranks(self) -> None:
+        """Raise ``RuntimeError`` when this sampler took rank 0 of 1 because torch.distributed was not
+        initialised yet, and it has been since with more ranks: every rank would read the whole epoch.
+        Frameworks initialise it inside ``fit`` (Lightning), after a loader passed to it was built."""
+        if self._ranks_by_default and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"this loader was built before torch.distributed was initialised, so it reads the whole dataset "
+                f"as rank 0 of 1, and so would each of the {dist.get_world_size()} ranks: build it after "
+                "init_process_group (with Lightning: in the train_dataloader() hook of the LightningModule or "
+                "DataModule), or pass rank= and world_size=")
 
     def rank_order(self, epoch: int | None = None) -> np.ndarray:
         """This rank's whole share of ``epoch`` (default: the current one), ``start`` not applied."""
