@@ -24,6 +24,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from reader.batch_memory import new_batch
 from reader.dataset import Images, Indices, PackedDataset
+from reader.epoch_order import BlockGroups
 
 
 class PackedView(Dataset):
@@ -76,6 +77,13 @@ class PackedView(Dataset):
             ids[members] = first + np.searchsorted(starts, self._record_of[members], side="right") - 1
             first += len(starts)
         return ids
+
+    def block_groups(self) -> BlockGroups:
+        """The positions grouped by block (``block_ids``): for a whole dataset straight from its block
+        layout, without a per-record array."""
+        if self._identity:
+            return BlockGroups(None, np.append(self.parts[0].block_starts(), len(self)).astype(np.int64))
+        return BlockGroups.of(self.block_ids())
 
     def check_fields(self, names: Sequence[str]) -> None:
         """``KeyError`` naming a field some part does not have; ``ValueError`` naming one whose type
