@@ -16,7 +16,7 @@ the windows of blocks those positions fall in:
 """
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple, cast
 
 import numpy as np
 
@@ -32,7 +32,7 @@ class BlockGroups(NamedTuple):
     bounds: np.ndarray
 
     @property
-    def count(self) -> int:
+    def block_count(self) -> int:
         return len(self.bounds) - 1
 
     @staticmethod
@@ -86,10 +86,9 @@ class QuasiRandomOrder(EpochOrder):
         super().__init__(int(sizes.sum()))
         self._groups = groups
         self._buffer_blocks = buffer_blocks
-        count = groups.count
+        count = groups.block_count
         self._ranked = rng.permutation(count) if self.size else np.zeros(0, np.int64)  # the block at each rank
         self._state = rng.bit_generator.state
-        self._bit_generator = type(rng.bit_generator)
         ends = np.concatenate([[0], np.cumsum(sizes[self._ranked])]).astype(np.int64)
         self._window_bounds = ends[np.r_[0:count:buffer_blocks, count]] if count else np.zeros(1, np.int64)
         self._last: tuple[int, np.ndarray] | None = None
@@ -115,8 +114,8 @@ class QuasiRandomOrder(EpochOrder):
         records = np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
         if self._groups.positions is not None:
             records = self._groups.positions[records]
-        bit_generator = self._bit_generator()
-        bit_generator.state = self._state
+        bit_generator = np.random.PCG64()  # default_rng's
+        bit_generator.state = cast(Any, self._state)
         bit_generator.advance(int(self._window_bounds[window]))
         within = np.random.Generator(bit_generator).random(total)
         order = records[np.argsort(within, kind="stable")].astype(np.int64)

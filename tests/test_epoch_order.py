@@ -98,7 +98,7 @@ def test_resumed_on_another_world_size_and_batches_match_the_reference(drop_last
 def test_block_groups_group_positions_by_block_in_ascending_order() -> None:
     ids = np.array([5, 2, 5, 9, 2, 2, 9])
     groups = BlockGroups.of(ids)
-    assert groups.count == 3 and groups.bounds.tolist() == [0, 3, 5, 7]
+    assert groups.block_count == 3 and groups.bounds.tolist() == [0, 3, 5, 7]
     assert groups.positions is not None and groups.positions.tolist() == [1, 4, 5, 0, 2, 3, 6]
     assert BlockGroups.of(np.array([0, 0, 1, 4])).positions is None
     whole = as_view(WHOLE).block_groups()
