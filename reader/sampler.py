@@ -155,7 +155,12 @@ class ShardSampler(Sampler[int]):
         return self.samples_per_rank - self.start
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.rank_order()[self.start:].tolist())
+        """This rank's share from ``start``, each window of the order built as it is reached."""
+        skip = self.start
+        for piece, _ in self.rank_pieces():
+            cut = min(skip, len(piece))
+            skip -= cut
+            yield from piece[cut:].tolist()
 
     def rank_order(self, epoch: int | None = None) -> np.ndarray:
         """This rank's whole share of ``epoch`` (default: the current one), ``start`` not applied."""

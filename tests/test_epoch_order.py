@@ -91,6 +91,7 @@ def test_resumed_on_another_world_size_and_batches_match_the_reference(drop_last
             sampler.start = min(17, len(expected[0]))
             stream = BatchStream(sampler, 10, drop_last)
             order = expected[0][sampler.start:]
+            assert list(sampler) == order.tolist()
             cut = [order[i:i + 10].tolist() for i in range(0, len(order), 10)]
             assert list(stream) == [b for b in cut if len(b) == 10 or not drop_last]
 
