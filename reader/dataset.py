@@ -124,7 +124,7 @@ class PackedDataset(Dataset):
         return state
 
     @property
-    def _records(self) -> "RecordColumns":
+    def _records(self) -> RecordColumns:
         """This process's record columns (filled shard by shard as ``_load`` reads their tables)."""
         if self._columns is None:
             self._columns = RecordColumns(len(self), len(self.manifest.shards))
@@ -150,25 +150,27 @@ class PackedDataset(Dataset):
         if self.readahead:
             self._files.set_block_bounds(shard, blocks.block_bounds(table["offset"], info, self._block_size))
 
-    @property
-    def targets(self) -> np.ndarray:
-        """Every record's label (int64); reads every shard's record table on first use in a process."""
+    def _all_records(self) -> RecordColumns:
+        """The record columns with every shard's table read."""
         records = self._records
         for shard in np.flatnonzero(~records.loaded).tolist():
             self._load_table(shard)
-        return records.labels
+        return records
+
+    @property
+    def targets(self) -> np.ndarray:
+        """Every record's label (int64); reads every shard's record table on first use in a process."""
+        return self._all_records().labels
 
     @property
     def _offsets(self) -> np.ndarray:
         """Every record's byte offset in its shard (reads every table; for tests and tools)."""
-        self.targets
-        return self._records.offsets
+        return self._all_records().offsets
 
     @property
     def _nbytes(self) -> np.ndarray:
         """Every record's payload size (reads every table; for tests and tools)."""
-        self.targets
-        return self._records.nbytes
+        return self._all_records().nbytes
 
     def source(self, index: int) -> str | None:
         """Where record ``index`` came from: its path relative to the packed source (or the name the
