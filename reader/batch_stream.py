@@ -119,13 +119,27 @@ class BatchStream(Sampler[list[int]]):
         """The stream's batches as index arrays, pass after pass."""
         epoch, start = self.sampler.epoch, self.sampler.start
         while True:
-            batches = self._pass(epoch, start)
-            if not batches:
+            empty = True
+            for batch in self._pass(epoch, start):
+                empty = False
+                yield batch
+            if empty:
                 return
-            yield from batches
             epoch, start = self.following(epoch, start)
 
-    def _pass(self, epoch: int, start: int) -> list[np.ndarray]:
-        """The batches of the pass ``(epoch, start)``, cut as ``BatchSampler`` cuts them."""
-        order = self.sampler.rank_order(epoch)[start:]
-        return [order[i * self.batch_size:(i + 1) * self.batch_size] for i in range(self.batches_in(len(order)))]
+    def _pass(self, epoch: int, start: int) -> Iterator[np.ndarray]:
+        """The batches of the pass ``(epoch, start)``, cut as ``BatchSampler`` cuts them, each as soon as
+        the sampler has built the part of the order it needs (``ShardSampler.rank_pieces``): no pass
+        waits for a whole epoch's order."""
+        pending = np.zeros(0, np.int64)
+        skip = start
+        for piece, _ in self.sampler.rank_pieces(epoch):
+            cut = min(skip, len(piece))
+            skip -= cut
+            pending = np.concatenate([pending, piece[cut:]]) if len(pending) else piece[cut:]
+            full = len(pending) // self.batch_size
+            for i in range(full):
+                yield pending[i * self.batch_size:(i + 1) * self.batch_size]
+            pending = pending[full * self.batch_size:]
+        if len(pending) and not self.drop_last:
+            yield pending

@@ -297,5 +297,5 @@ def make_loader(
 def lookahead_samples(dataset: Dataset, buffer_blocks: int) -> int:
     """``LOOKAHEAD_WINDOWS`` windows of ``buffer_blocks`` of the dataset's blocks, in samples."""
     view = as_view(dataset)
-    blocks = max(len(np.unique(view.block_ids())), 1)
+    blocks = max(view.block_groups().block_count, 1)
     return round(LOOKAHEAD_WINDOWS * buffer_blocks * len(view) / blocks)
