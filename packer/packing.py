@@ -9,6 +9,7 @@ partitions is packed, and ``merge_parts`` writes the manifest once every task is
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -22,6 +23,7 @@ from packer.destination import PLAN_NAME, check_destination, partition_files, re
 from packer.errors import PackError
 from packer.journal import PartRecord, PlanRecord, part_problem, plan_fingerprint
 from packer.labels_file import declare_field
+from packer.locking import claimed_destination
 from packer.merging import write_manifest
 from packer.partitions import Part, Partition, cut, default_partition_count, parse_part
 from packer.pipeline import PackSettings, PartitionTask, pack_partitions
@@ -117,7 +119,9 @@ def pack(
     }
     dst.mkdir(parents=True, exist_ok=True)
     mine = all_partitions if task_part is None else task_part.select(all_partitions)
-    with cleaned_up_on_failure(dst, None if task_part is None else [p.index for p in mine]):
+    # the tasks of a --part job share DST by design; any other pack is DST's one writer
+    with contextlib.nullcontext() if task_part is not None else claimed_destination(dst, force), \
+            cleaned_up_on_failure(dst, None if task_part is None else [p.index for p in mine]):
         plan_record = _plan_record(dst, plan, spec, storage, all_partitions, plan_fingerprint(plan, options))
         done = _finished_parts(dst, plan_record, mine)
         done_indices = {r.partition.index for r in done}
