@@ -25,8 +25,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from append_kills import (  # noqa: E402
     dataset_records,
-    fresh_copy,
     folder,
+    fresh_copy,
     killed_append,
     leftovers,
     rerun,
