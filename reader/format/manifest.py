@@ -124,8 +124,8 @@ class Manifest:
         if data.get("format_version") not in READABLE_VERSIONS or isinstance(data.get("format_version"), bool):
             raise FormatError(
                 f"{origin}: format version {str(data.get('format_version'))[:20]} is not supported "
-                f"(this reader reads versions {', '.join(map(str, READABLE_VERSIONS[:-1]))} and {READABLE_VERSIONS[-1]}; "
-                "a newer packer wrote it)"
+                f"(this reader reads versions {', '.join(map(str, READABLE_VERSIONS[:-1]))} and "
+                f"{READABLE_VERSIONS[-1]}; a newer packer wrote it)"
             )
         _check_own_checksum(data, origin)
         class_to_idx = data.pop("class_to_idx", None)
