@@ -38,7 +38,7 @@ from packer.journal import plan_fingerprint
 from packer.labels_file import read_label_rows
 from packer.locking import writer_lock
 from packer.packing import pack
-from packer.sources import reads_as_indices, scan_source
+from packer.sources import is_class_index, reads_as_indices, scan_source
 from packer.transforms import DEFAULT_MAX_FILE_BYTES, TransformSpec
 from packer.version import __version__
 from reader.format import MANIFEST_NAME, FormatError, Manifest, ShardInfo, load_manifest
@@ -162,7 +162,7 @@ def _check_source_fits(
         rows, names = read_label_rows(Path(labels))
         where, labelled = Path(labels), not rows or rows[0].label is not None
         indices = reads_as_indices([row.label for row in rows if row.label is not None], label_kind)
-        named = [name for name in old.classes if not name.isdecimal()]
+        named = [name for name in old.classes if not is_class_index(name)]
         if labelled and indices and named:
             raise PackError(f"{where}: its labels are class indices, but the classes of {dst} are names "
                             f"({', '.join(named[:3])}{', ...' if len(named) > 3 else ''}); write the class "

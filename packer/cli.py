@@ -139,7 +139,8 @@ def _one_line(error: Exception) -> str:
     """What the user reads for an error: its message, with the dataset's text made printable (``say``).
     An ``OSError`` is named by its file and reason."""
     if isinstance(error, OSError) and error.filename is not None:
-        return printable(f"{os.fsdecode(error.filename)}: {error.strerror or error}")
+        where = error.filename if isinstance(error.filename, (str, bytes)) else str(error.filename)
+        return printable(f"{os.fsdecode(where)}: {error.strerror or error}")
     return printable(str(error))
 
 

@@ -28,7 +28,7 @@ from packer.merging import write_manifest
 from packer.partitions import Part, Partition, cut, default_partition_count, parse_part
 from packer.pipeline import PackSettings, PartitionTask, pack_partitions
 from packer.resampling import default_resampler
-from packer.sources import Plan, scan_source
+from packer.sources import Plan, class_name, scan_source
 from packer.transforms import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS, TransformSpec
 from packer.version import __version__
 from reader.format import FORMAT_VERSION, MANIFEST_NAME, STORAGES, Manifest
@@ -142,6 +142,12 @@ def pack(
 
 def _extended_classes(base: list[str], classes: list[str], labels: np.ndarray) -> tuple[list[str], np.ndarray]:
     """``base`` then the new classes in their order; ``labels`` renumbered to match."""
+    normalised = {class_name(name): name for name in base}
+    for name in classes:
+        if name not in normalised.values() and normalised.get(class_name(name)) is not None:
+            raise PackError(f"class {name!r} differs from the dataset's class {normalised[class_name(name)]!r} "
+                            "only by Unicode normalisation (NFC/NFD); it would be a second class that prints the "
+                            "same: rename the source's class to the dataset's spelling")
     extended = base + [name for name in classes if name not in set(base)]
     index = {name: i for i, name in enumerate(extended)}
     renumber = np.array([index[name] for name in classes], dtype=np.int64)

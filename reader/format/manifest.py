@@ -196,10 +196,11 @@ def load_manifest(directory: str | os.PathLike) -> Manifest:
             f"{directory}: no {MANIFEST_NAME}, so this is not a finished packed dataset "
             "(never packed, or a pack that did not complete)"
         )
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # a directory, a device, a FIFO: refused before any read
+        os.close(fd)
+        raise FormatError(f"{path}: not a regular file")
     with open(fd, "rb", closefd=True) as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path}: not a regular file")
         if st.st_size > MAX_MANIFEST_BYTES:
             raise FormatError(f"{path}: {st.st_size} bytes, more than any manifest ({MAX_MANIFEST_BYTES})")
         text = f.read(MAX_MANIFEST_BYTES + 1)
