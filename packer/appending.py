@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 import xxhash
 
+from packer.cleanup import cleaned_up_on_failure
 from packer.destination import unwritable
 from packer.errors import PackError
 from packer.joining import reconciled_classes
@@ -76,7 +77,7 @@ def append(
     problem = unwritable(dst)
     if problem:
         raise PackError(f"{dst}: cannot append: {problem} (the dataset is left as it was)")
-    with writer_lock(dst):
+    with writer_lock(dst), cleaned_up_on_failure(dst):
         old = load_manifest(dst)  # read again under the lock: another writer may have swapped it meanwhile
         return _append(Path(src), dst, old, labels=labels, label_kind=label_kind, workers=workers,
                        on_error=on_error, shard_size=shard_size, progress=progress, max_file_bytes=max_file_bytes)

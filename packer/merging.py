@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from packer.cleanup import cleaned_up_on_failure
 from packer.destination import PLAN_NAME, remove_own_files
 from packer.errors import PackError
 from packer.journal import PartRecord, PlanRecord, part_problem
@@ -24,7 +25,7 @@ def merge_parts(dst: str | os.PathLike) -> Manifest:
     dst = Path(dst)
     if not dst.is_dir():
         raise PackError(f"{dst}: no such directory")
-    with writer_lock(dst):
+    with writer_lock(dst), cleaned_up_on_failure(dst):
         return _merge_parts(dst)
 
 

@@ -78,7 +78,12 @@ def append_args(src: Path, dst: Path) -> list[str]:
 
 def killer(src: Path, dst: Path, point: int | str, signal: str = "KILL") -> list[str]:
     """The command line of an append that sends itself ``signal`` before event ``point`` (see KILLER)."""
-    return [sys.executable, "-c", KILLER, str(point), signal, str(dst), *append_args(src, dst)]
+    return signalled(point, signal, dst, append_args(src, dst))
+
+
+def signalled(point: int | str, signal: str, dst: Path, args: list[str]) -> list[str]:
+    """The command line of ``packer ARGS`` sending itself ``signal`` before event ``point`` in ``dst``."""
+    return [sys.executable, "-c", KILLER, str(point), signal, str(dst), *map(str, args)]
 
 
 def killed_append(src: Path, dst: Path, point: int | str) -> tuple[int, int]:
