@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -86,3 +87,46 @@ def test_a_second_writer_is_refused_naming_the_holder_and_readers_need_no_lock(
 def _state(pid: int) -> str:
     """The process state letter from /proc (T: stopped)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+HOLD_EXCLUSIVE = """
+import sys, time
+from pathlib import Path
+from packer.locking import exclusive_file_lock
+with exclusive_file_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+TRY_EXCLUSIVE = """
+import sys
+from pathlib import Path
+from packer.errors import PackError
+from packer.locking import exclusive_file_lock
+try:
+    with exclusive_file_lock(Path(sys.argv[1])):
+        print("taken")
+except PackError as e:
+    print(e)
+"""
+
+
+def test_without_flock_the_exclusive_lock_file_refuses_a_second_writer_and_names_a_stale_one(tmp_path: Path) -> None:
+    """The fallback for file systems without flock, in two real processes: the second is refused naming
+    the first; killed, the first leaves the lock file, and the refusal says what to remove."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_EXCLUSIVE, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True, env=subprocess_env())
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        second = subprocess.run([sys.executable, "-c", TRY_EXCLUSIVE, str(tmp_path)], capture_output=True,
+                                text=True, timeout=TIMEOUT_S, env=subprocess_env())
+        assert f"another packer is writing this dataset (pid {holder.pid} on {socket.gethostname()}" in second.stdout
+    finally:
+        holder.kill()
+        holder.wait(timeout=TIMEOUT_S)
+    stale = subprocess.run([sys.executable, "-c", TRY_EXCLUSIVE, str(tmp_path)], capture_output=True, text=True,
+                           timeout=TIMEOUT_S, env=subprocess_env())
+    assert f"if that process is gone (killed), remove {tmp_path / '.packer-lock.excl'}" in stale.stdout
+    (tmp_path / ".packer-lock.excl").unlink()
+    taken = subprocess.run([sys.executable, "-c", TRY_EXCLUSIVE, str(tmp_path)], capture_output=True, text=True,
+                           timeout=TIMEOUT_S, env=subprocess_env())
+    assert taken.stdout == "taken\n" and not (tmp_path / ".packer-lock.excl").exists()
