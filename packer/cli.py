@@ -1,7 +1,10 @@
 """The ``packer`` command line: a thin layer over ``packer.pack``, ``packer.info`` and ``packer.verify``.
 
-Errors the user can fix (bad input files, options, destination) print as one line and exit with
-status 1, without a traceback.
+Errors the user can fix (bad input files, options, destination, a damaged dataset, a file-system error)
+print as one line and exit with status 1, without a traceback; SIGINT exits with 130 and SIGTERM with 143,
+after the command removed its temporaries. Both are mapped in one place, ``_Packer.invoke``. Text that
+came from a dataset or a source (class names, file names, skipped paths, manifest fields) is printed
+through ``say``, which escapes what a terminal would obey.
 """
 from __future__ import annotations
 
