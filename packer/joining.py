@@ -52,17 +52,17 @@ def join_datasets(
         raise PackError("merge: give at least two datasets to join (or only DST to finish a partitioned pack)")
     if any(out.resolve() == p.resolve() for p in paths):
         raise PackError(f"{out}: the output cannot be one of the datasets being joined")
-    resolved = [p.resolve() for p in paths]
-    repeated = next((p for i, p in enumerate(paths) if resolved[i] in resolved[:i]), None)
-    if repeated is not None:
-        raise PackError(f"{repeated}: named twice among the datasets to join; joining a dataset with itself "
-                        "would hold every record twice")
     inside = [p for p in paths if out.resolve().is_relative_to(p.resolve())]
     if inside:
         raise PackError(f"{out}: the output cannot be inside {inside[0]}, one of the datasets being joined")
     manifests = [load_manifest(p) for p in paths]
     classes = reconciled_classes(paths, manifests)
     check_destination(out, force)
+    resolved = [p.resolve() for p in paths]
+    repeated = next((p for i, p in enumerate(paths) if resolved[i] in resolved[:i]), None)
+    if repeated is not None:
+        raise PackError(f"{repeated}: named twice among the datasets to join; joining a dataset with itself "
+                        "would hold every record twice")
     with claimed_destination(out, force), cleaned_up_on_failure(out):
         remove_own_files(out)
         return _join(out, paths, manifests, classes)
