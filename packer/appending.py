@@ -9,6 +9,16 @@ next id), so no record is ever relabelled. The staged shards are then renamed in
 and new shards replaces the old one in one atomic rename, the last step: a reader opening the dataset
 meanwhile sees the old dataset or the new one, never a mix, and an interrupted append leaves the old
 dataset intact; rerunning the same command finishes it.
+
+Exactly once: the append holds the dataset's writer lock (``packer.locking``) from reading the manifest to
+swapping it, and records in the manifest (``source.appended[].id``) a fingerprint of what it added: the
+scanned source (paths, labels, fields, each file's size and modification time). The staging directory
+is named after it too (``.append-GGGG-<id>``). A rerun that finds its fingerprint in the manifest took
+effect already: it only removes what the interrupted run left (staging directory, shards moved in but
+never listed) and adds nothing. A staging directory of another fingerprint is an append that never took
+effect: it is removed, with the shards it had moved in. So an append interrupted anywhere and rerun,
+once or several times, adds its records exactly once; appending the same unchanged source a second
+time adds nothing either.
 """
 from __future__ import annotations
 
@@ -19,18 +29,25 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+import xxhash
+
+from packer.cleanup import cleaned_up_on_failure
 from packer.destination import unwritable
 from packer.errors import PackError
 from packer.joining import reconciled_classes
+from packer.journal import plan_fingerprint
 from packer.labels_file import read_label_rows
+from packer.locking import writer_lock
 from packer.packing import pack
-from packer.sources import reads_as_indices
+from packer.sources import is_class_index, reads_as_indices, scan_source
 from packer.transforms import DEFAULT_MAX_FILE_BYTES, TransformSpec
 from packer.version import __version__
 from reader.format import MANIFEST_NAME, FormatError, Manifest, ShardInfo, load_manifest
 from reader.format.durable import fsync_directory
 
 _GENERATION = re.compile(r"append-(\d{4,})-")
+_STAGING = re.compile(r"\.append-\d{4,}(-[0-9a-f]+)?")  # without the id: staged by an older packer
+_ID_IN_NAME = 16
 
 
 def append(
@@ -54,21 +71,29 @@ def append(
     ``dst`` that cannot be written (read-only, no permission)."""
     dst = Path(dst)
     try:
-        old = load_manifest(dst)
+        load_manifest(dst)
     except FormatError as e:
         raise PackError(f"--append: {e}") from None
     problem = unwritable(dst)
     if problem:
         raise PackError(f"{dst}: cannot append: {problem} (the dataset is left as it was)")
-    return _append(Path(src), dst, old, labels=labels, label_kind=label_kind, workers=workers,
-                   on_error=on_error, shard_size=shard_size, progress=progress, max_file_bytes=max_file_bytes)
+    with writer_lock(dst), cleaned_up_on_failure(dst):
+        old = load_manifest(dst)  # read again under the lock: another writer may have swapped it meanwhile
+        return _append(Path(src), dst, old, labels=labels, label_kind=label_kind, workers=workers,
+                       on_error=on_error, shard_size=shard_size, progress=progress, max_file_bytes=max_file_bytes)
 
 
 def _append(src: Path, dst: Path, old: Manifest, **options: Any) -> Manifest:
+    if not old.has_sources:
+        raise PackError(f"{dst}: a format-version-1 dataset; repack it to append to it")
+    _check_source_fits(src, options["labels"], options["label_kind"], old, dst)
+    source_id = _source_id(src, dst, old, options)
+    if any(isinstance(entry, dict) and entry.get("id") == source_id for entry in old.source.get("appended", [])):
+        _remove_leftovers(dst, old)  # a rerun of an append that took effect: finish its cleanup only
+        return old
     generation = 1 + max((int(m.group(1)) for s in old.shards if (m := _GENERATION.match(s.file))), default=0)
-    staging = dst / f".append-{generation:04d}"
-    if (staging / MANIFEST_NAME).exists() and load_manifest(staging).source.get("root") != str(src.resolve()):
-        shutil.rmtree(staging)  # staged from another source by an append that did not finish: start over
+    staging = dst / f".append-{generation:04d}-{source_id[:_ID_IN_NAME]}"
+    _remove_leftovers(dst, old, staging)
     if not (staging / MANIFEST_NAME).exists():
         _pack_staged(src, staging, old, **options)
     new = load_manifest(staging)
@@ -78,17 +103,45 @@ def _append(src: Path, dst: Path, old: Manifest, **options: Any) -> Manifest:
     shards = [_moved_in(staging, dst, shard, f"append-{generation:04d}-{shard.file}") for shard in new.shards]
     fsync_directory(dst)
     joined = dataclasses.replace(old, classes=classes, shards=old.shards + shards, format_version=new.format_version,
-                                 source=_appended_source(old.source, new.source), tool_version=__version__)
+                                 tool_version=__version__, source=_appended_source(old.source, new.source, source_id))
     joined.write(dst)
-    shutil.rmtree(staging)
+    _remove_leftovers(dst, joined)
     return joined
+
+
+def _source_id(src: Path, dst: Path, old: Manifest, options: Mapping[str, Any]) -> str:
+    """The fingerprint of what appending ``src`` would add: the scanned plan (paths, labels, classes,
+    fields) and each file's size and modification time."""
+    plan = scan_source(src, options["labels"], options["on_error"], max_file_bytes=options["max_file_bytes"],
+                       label_kind=options["label_kind"], exclude=dst, fields={f.name: f for f in old.fields})
+    digest = xxhash.xxh3_128(plan_fingerprint(plan, {}).encode())
+    for path in plan.paths:
+        try:
+            st = os.stat(plan.root / path)
+            digest.update(f"{st.st_size}:{st.st_mtime_ns};".encode())
+        except OSError as e:
+            digest.update(f"{e.errno};".encode())
+    return digest.hexdigest()
+
+
+def _remove_leftovers(dst: Path, manifest: Manifest, staging: Path | None = None) -> None:
+    """Remove what interrupted appends left in ``dst``: staging directories other than ``staging``, and
+    appended shard files that ``manifest`` does not list, except those ``staging`` has already moved in
+    (its rerun moves the rest and lists them)."""
+    listed = {shard.file for shard in manifest.shards}
+    if staging is not None and (staging / MANIFEST_NAME).is_file():
+        prefix = staging.name[1:].rsplit("-", 1)[0]  # append-GGGG
+        listed |= {f"{prefix}-{shard.file}" for shard in load_manifest(staging).shards}
+    for entry in sorted(os.scandir(dst), key=lambda e: e.name):
+        if _STAGING.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False) and entry.path != str(staging):
+            shutil.rmtree(entry.path)
+        elif _GENERATION.match(entry.name) and entry.name not in listed and entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)
+    fsync_directory(dst)
 
 
 def _pack_staged(src: str | os.PathLike, staging: Path, old: Manifest, **options: Any) -> None:
     """Pack ``src`` into ``staging`` with ``old``'s settings and classes first."""
-    if not old.has_sources:
-        raise PackError(f"{staging.parent}: a format-version-1 dataset; repack it to append to it")
-    _check_source_fits(src, options["labels"], options["label_kind"], old, staging.parent)
     spec = TransformSpec.from_description(old.transform)
     pack(src, staging, storage=old.storage, resize=spec.resize, crop=spec.crop, encoding=old.encoding,
          quality=old.jpeg_quality or 90, resampler=spec.resampler,
@@ -110,7 +163,7 @@ def _check_source_fits(
         rows, names = read_label_rows(Path(labels))
         where, labelled = Path(labels), not rows or rows[0].label is not None
         indices = reads_as_indices([row.label for row in rows if row.label is not None], label_kind)
-        named = [name for name in old.classes if not name.isdecimal()]
+        named = [name for name in old.classes if not is_class_index(name)]
         if labelled and indices and named:
             raise PackError(f"{where}: its labels are class indices, but the classes of {dst} are names "
                             f"({', '.join(named[:3])}{', ...' if len(named) > 3 else ''}); write the class "
@@ -136,9 +189,10 @@ def _moved_in(staging: Path, dst: Path, shard: ShardInfo, name: str) -> ShardInf
     return dataclasses.replace(shard, file=name)
 
 
-def _appended_source(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """The dataset's source, with the appended source's counts and skipped files added."""
-    appended = [*old.get("appended", []), {k: new.get(k) for k in ("kind", "root", "files", "packed")}]
+def _appended_source(old: Mapping[str, Any], new: Mapping[str, Any], source_id: str) -> dict[str, Any]:
+    """The dataset's source, with the appended source's counts, skipped files and fingerprint added."""
+    entry = {**{k: new.get(k) for k in ("kind", "root", "files", "packed")}, "id": source_id}
+    appended = [*old.get("appended", []), entry]
     return {**old, "files": (old.get("files") or 0) + (new.get("files") or 0),
             "packed": (old.get("packed") or 0) + (new.get("packed") or 0),
             "skipped": [*old.get("skipped", []), *new.get("skipped", [])], "appended": appended}

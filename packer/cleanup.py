@@ -41,7 +41,7 @@ def cleaned_up_on_failure(dst: Path, partitions: Iterable[int] | None = None) ->
 
     ``partitions``: when only these partitions are packed (one task of ``--part``), only their own
     temporaries are removed, since other tasks may be writing theirs in ``dst`` at the same time."""
-    with _sigterm_raises():
+    with sigterm_raises():
         try:
             yield
         except BaseException as e:
@@ -96,7 +96,7 @@ def leave_interrupts_to_the_parent() -> None:
 
 
 @contextmanager
-def _sigterm_raises() -> Iterator[None]:
+def sigterm_raises() -> Iterator[None]:
     """Make SIGTERM raise ``Terminated`` in the main thread while the block runs (elsewhere: no-op)."""
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -1,19 +1,23 @@
 """The ``packer`` command line: a thin layer over ``packer.pack``, ``packer.info`` and ``packer.verify``.
 
-Errors the user can fix (bad input files, options, destination) print as one line and exit with
-status 1, without a traceback.
+Errors the user can fix (bad input files, options, destination, a damaged dataset, a file-system error)
+print as one line and exit with status 1, without a traceback; SIGINT exits with 130 and SIGTERM with 143,
+after the command removed its temporaries. Both are mapped in one place, ``_Packer.invoke``. Text that
+came from a dataset or a source (class names, file names, skipped paths, manifest fields) is printed
+through ``say``, which escapes what a terminal would obey.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
 import click
 
 from packer.appending import append
-from packer.cleanup import Terminated
+from packer.cleanup import Terminated, sigterm_raises
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, class_counts, describe_transform, info
 from packer.joining import join_datasets
@@ -28,7 +32,7 @@ from packer.sources import LABEL_KINDS
 from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
 from packer.verification import verify
 from packer.version import __version__
-from reader.format import ENCODINGS, STORAGES, FormatError, Manifest, load_manifest
+from reader.format import ENCODINGS, MANIFEST_NAME, STORAGES, FormatError, Manifest, load_manifest
 from reader.format.fields import FieldSpec, printable
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -118,7 +122,38 @@ class FieldDeclaration(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-@click.group()
+class _Packer(click.Group):
+    """The command group; every command's errors become one line here, the only place (``_one_line``)."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        with sigterm_raises():
+            try:
+                return super().invoke(ctx)
+            except (Terminated, KeyboardInterrupt) as e:
+                signal_name = str(e) or "SIGINT"
+                click.echo(f"Error: interrupted ({signal_name}); no temporary file was left: rerun the same "
+                           "command to resume", err=True)
+                raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143) from None
+            except (PackError, FormatError, OSError, UnicodeError) as e:
+                raise click.ClickException(_one_line(e)) from None
+
+
+def _one_line(error: Exception) -> str:
+    """What the user reads for an error: its message, with the dataset's text made printable (``say``).
+    An ``OSError`` is named by its file and reason."""
+    if isinstance(error, OSError) and error.filename is not None:
+        where = error.filename if isinstance(error.filename, (str, bytes)) else str(error.filename)
+        return printable(f"{os.fsdecode(where)}: {error.strerror or error}")
+    return printable(str(error))
+
+
+def say(text: str = "", err: bool = False) -> None:
+    """Print one line for people: characters a terminal would obey (escapes, newlines, bidi overrides)
+    in text that came from a dataset or a source are shown escaped (``printable``)."""
+    click.echo(printable(text), err=err)
+
+
+@click.group(cls=_Packer)
 @click.version_option(__version__, prog_name="packer")
 def main() -> None:
     """Pack an image folder once into LMDB or HDF5 shards; inspect and verify packed datasets."""
@@ -181,22 +216,15 @@ def pack_command(src: Path, dst: Path, labels: Path | None, fields: tuple[FieldS
     repeated = [name for name in names if names.count(name) > 1]
     if repeated:
         raise click.BadParameter(f"field {repeated[0]!r} is declared twice", param_hint="'--field'")
-    try:
-        manifest = pack(src, dst, labels=labels, storage=storage, resize=resize, crop=crop,
-                        encoding=encoding, quality=quality, shard_size=shard_size, workers=workers,
-                        on_error=on_error, force=force, progress=not quiet, max_pixels=max_pixels,
-                        max_file_bytes=max_file_bytes, label_kind=label_kind,
-                        partitions=partitions, part=part, resampler=resampler,
-                        fields={field.name: field for field in fields},
-                        runner=None if ray_address is None else ray_runner(ray_address, workers or None))
-    except (PackError, FormatError) as e:
-        raise click.ClickException(str(e)) from None
-    except (Terminated, KeyboardInterrupt) as e:
-        click.echo(f"Error: {dst}: interrupted ({str(e) or 'SIGINT'}); temporary files removed, "
-                   "rerun the same command to resume", err=True)
-        raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143) from None
+    manifest = pack(src, dst, labels=labels, storage=storage, resize=resize, crop=crop,
+                    encoding=encoding, quality=quality, shard_size=shard_size, workers=workers,
+                    on_error=on_error, force=force, progress=not quiet, max_pixels=max_pixels,
+                    max_file_bytes=max_file_bytes, label_kind=label_kind,
+                    partitions=partitions, part=part, resampler=resampler,
+                    fields={field.name: field for field in fields},
+                    runner=None if ray_address is None else ray_runner(ray_address, workers or None))
     if manifest is None:
-        click.echo(f"packed part {part} at {dst}; run `packer merge {dst}` once every part is done")
+        say(f"packed part {part} at {dst}; run `packer merge {dst}` once every part is done")
     else:
         _print_pack_summary(dst, manifest)
 
@@ -208,18 +236,13 @@ def pack_command(src: Path, dst: Path, labels: Path | None, fields: tuple[FieldS
 def merge_command(dst: Path, inputs: tuple[Path, ...], force: bool) -> None:
     """`merge DST`: finish DST, packed part by part with `pack --part` (check every part, write the
     manifest). `merge DST A B ...`: join the finished datasets A, B, ... into the new dataset DST."""
-    try:
-        if not inputs:
-            if not dst.is_dir():
-                raise PackError(f"{dst}: no such directory")
-            _print_pack_summary(dst, merge_parts(dst))
-            return
-        report = join_datasets(dst, list(inputs), force=force)
-    except (PackError, FormatError) as e:
-        raise click.ClickException(str(e)) from None
+    if not inputs:
+        _print_pack_summary(dst, merge_parts(dst))
+        return
+    report = join_datasets(dst, list(inputs), force=force)
     manifest = report.manifest
     how = f"{report.linked} hard-linked (no bytes copied), {report.copied} copied"
-    click.echo(f"joined {len(inputs)} datasets into {dst}: {manifest.num_records} images in "
+    say(f"joined {len(inputs)} datasets into {dst}: {manifest.num_records} images in "
                f"{len(manifest.classes)} classes, {len(manifest.shards)} shards ({how})")
 
 
@@ -230,17 +253,14 @@ def merge_command(dst: Path, inputs: tuple[Path, ...], force: bool) -> None:
               help="Also list every class with its number of records (reads the record tables).")
 def info_command(dataset: Path, as_json: bool, with_classes: bool) -> None:
     """Show what the packed DATASET holds and how it was made."""
-    try:
-        summary = info(dataset)
-        counts = class_counts(dataset) if with_classes else None
-    except FormatError as e:
-        raise click.ClickException(str(e)) from None
+    summary = info(dataset)
+    counts = class_counts(dataset) if with_classes else None
     if as_json:
         click.echo(json.dumps({**summary.to_dict(), **({"class_counts": counts} if with_classes else {})}, indent=2))
         return
     _print_info(summary)
     for name, count in (counts or {}).items():
-        click.echo(f"  class {name}: {count}")
+        say(f"  class {name}: {count}")
 
 
 @main.command("show", context_settings={"ignore_unknown_options": True})  # -1: an index (the last), not an option
@@ -253,14 +273,10 @@ def show_command(dataset: Path, indices: tuple[int, ...], out: Path, sheet: bool
     """Write records INDICES of DATASET as PNG files, with their label, source path and fields.
 
     A negative index counts from the end (-1 is the last record)."""
-    try:
-        shown = show(dataset, list(indices), out, sheet=sheet)
-    except (PackError, FormatError) as e:
-        raise click.ClickException(str(e)) from None
-    for record in shown:
+    for record in show(dataset, list(indices), out, sheet=sheet):
         fields = f" {json.dumps(record.fields)}" if record.fields else ""
-        click.echo(f"{record.index}: {record.label if record.label is not None else '(no label)'} "
-                   f"{printable(record.source or '(source not stored)')}{fields} -> {record.file}")
+        say(f"{record.index}: {record.label if record.label is not None else '(no label)'} "
+            f"{record.source or '(source not stored)'}{fields} -> {record.file}")
 
 
 @main.command("verify")
@@ -269,16 +285,13 @@ def show_command(dataset: Path, indices: tuple[int, ...], out: Path, sheet: bool
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def verify_command(dataset: Path, deep: bool, quiet: bool) -> None:
     """Check every shard of DATASET against its manifest (checksums, record tables; --deep: records)."""
-    try:
-        report = verify(dataset, deep=deep, progress=not quiet)
-    except FormatError as e:
-        raise click.ClickException(str(e)) from None
+    report = verify(dataset, deep=deep, progress=not quiet)
     for problem in report.problems:
-        click.echo(f"error: {problem}", err=True)
+        say(f"error: {problem}", err=True)
     checked = f"{report.shards} shards, {report.records} records, {_megabytes(report.bytes)}"
     if not report.ok:
         raise click.ClickException(f"{dataset}: {len(report.problems)} problems in {checked}")
-    click.echo(f"ok: {dataset}: {checked}{' (deep: every record read back)' if deep else ''}")
+    say(f"ok: {dataset}: {checked}{' (deep: every record read back)' if deep else ''}")
 
 
 @main.command("bench")
@@ -318,8 +331,8 @@ def bench_command(dataset: Path, baseline: Path | None, orders: list[str], worke
             results += bench.bench_folder(baseline, spec, settings, workers=workers)
         if plot is not None:
             bench.plot(results, plot, title=f"packer bench {dataset.name} (batch {batch_size})")
-    except (FormatError, PackError, PermissionError, RuntimeError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+    except (RuntimeError, ValueError) as e:  # from torch and matplotlib: a bad setting for this machine
+        raise click.ClickException(_one_line(e)) from None
     if as_json:
         click.echo(json.dumps(bench.as_json_rows(results), indent=2))
     else:
@@ -339,26 +352,28 @@ def _append_command(src: Path, dst: Path, labels: Path | None, label_kind: str, 
     if given:
         option = next(p for p in ctx.command.params if p.name == given[0]).opts[0]
         raise click.UsageError(f"--append packs with DST's own settings: leave out {option}")
-    try:
-        manifest = append(src, dst, labels=labels, label_kind=label_kind, workers=workers, on_error=on_error,
-                          shard_size=shard_size, progress=not quiet, max_file_bytes=max_file_bytes)
-    except (PackError, FormatError) as e:
-        raise click.ClickException(str(e)) from None
+    before = load_manifest(dst).num_records if (dst / MANIFEST_NAME).is_file() else None
+    manifest = append(src, dst, labels=labels, label_kind=label_kind, workers=workers, on_error=on_error,
+                      shard_size=shard_size, progress=not quiet, max_file_bytes=max_file_bytes)
+    if manifest.num_records == before:
+        say(f"nothing added: {src} was appended to {dst} already (unchanged since); {dst} holds "
+            f"{manifest.num_records} images")
+        return
     _print_pack_summary(dst, manifest)
 
 
 def _print_pack_summary(dst: Path, manifest: Manifest) -> None:
     skipped = manifest.source["skipped"]
-    click.echo(
+    say(
         f"packed {manifest.num_records} images into {len(manifest.shards)} {manifest.storage} shards "
         f"({_megabytes(manifest.total_bytes)}) at {dst}"
     )
     if skipped:
-        click.echo(f"skipped {len(skipped)} files:")
+        say(f"skipped {len(skipped)} files:")
         for entry in skipped[:_SHOWN_SKIPPED]:
-            click.echo(f"  {entry['path']}: {entry['reason']}")
+            say(f"  {entry['path']}: {entry['reason']}")
         if len(skipped) > _SHOWN_SKIPPED:
-            click.echo(f"  ... and {len(skipped) - _SHOWN_SKIPPED} more (all listed by `packer info`)")
+            say(f"  ... and {len(skipped) - _SHOWN_SKIPPED} more (all listed by `packer info`)")
 
 
 def _print_info(summary: DatasetInfo) -> None:
@@ -383,9 +398,9 @@ def _print_info(summary: DatasetInfo) -> None:
         ("tool", f"packer {summary.tool_version}, format version {summary.format_version}"),
     ]
     for key, value in rows:
-        click.echo(f"{key:<10} {value}")
+        say(f"{key:<10} {value}")
     for entry in summary.skipped:
-        click.echo(f"  skipped {entry['path']}: {entry['reason']}")
+        say(f"  skipped {entry['path']}: {entry['reason']}")
 
 
 def _megabytes(n: int) -> str:

@@ -25,7 +25,9 @@ _SHARD = rf"(part-\d{{5,}}-)?shard-\d{{5,}}(?:{_SHARD_FILE})"  # shard-00000: da
 _OWN_FILE = re.compile(
     rf"({_SHARD}|\.part-\d{{5,}}\.json|{re.escape(MANIFEST_NAME)}|{re.escape(PLAN_NAME)}(\.[\w.-]+-\d+)?"
     r"|\.pack-journal\.json)(\.tmp)?"  # the journal: before partitions
+    r"|\.packer-lock(\.excl)?"  # the writer lock (packer.locking), never removed while a writer holds it
 )
+_LOCK_FILE = re.compile(r"\.packer-lock(\.excl)?")
 
 _PARTITION_FILE = re.compile(rf"part-(\d{{5,}})-shard-\d{{5,}}(?:{_SHARD_FILE})|\.part-(\d{{5,}})\.json(?:\.tmp)?")
 
@@ -109,5 +111,6 @@ def remove_own_files(dst: Path, keep: Iterable[str] = ()) -> None:
     if MANIFEST_NAME not in kept:
         manifest.unlink(missing_ok=True)
     for entry in sorted(dst.iterdir()):
-        if is_own_file(entry.name) and entry.name not in kept and entry.is_file():
+        if is_own_file(entry.name) and entry.name not in kept and entry.is_file() \
+                and not _LOCK_FILE.fullmatch(entry.name):
             entry.unlink()

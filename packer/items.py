@@ -34,6 +34,7 @@ from packer.destination import check_destination, remove_own_files
 from packer.errors import PackError
 from packer.journal import PlanRecord
 from packer.labels_file import declare_field
+from packer.locking import claimed_destination
 from packer.merging import write_manifest
 from packer.packing import check_options, transform_spec, worker_count
 from packer.partitions import Partition
@@ -80,10 +81,9 @@ def pack_items(
                 for name, f in (fields or {}).items()}
     dst = Path(dst)
     check_destination(dst, force)
-    dst.mkdir(parents=True, exist_ok=True)
-    remove_own_files(dst)  # nothing resumes: a dataset overwritten with force goes, its manifest first
     planner = _Planner(classes, declared)
-    with cleaned_up_on_failure(dst, None):
+    with claimed_destination(dst, force), cleaned_up_on_failure(dst, None):
+        remove_own_files(dst)  # nothing resumes: a dataset overwritten with force goes, its manifest first
         settings = PackSettings(dst, Path("/"), storage, shard_size, spec, on_error, "items")
         with tqdm(unit="img", disable=not progress, desc="pack items") as bar:
             tasks = planner.tasks(items, settings, partition_size)

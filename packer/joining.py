@@ -21,8 +21,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from packer.cleanup import cleaned_up_on_failure
 from packer.destination import check_destination, remove_own_files
 from packer.errors import PackError
+from packer.locking import claimed_destination
 from packer.version import __version__
 from reader.format import Manifest, ShardInfo, load_manifest, shard_file_name
 from reader.format.durable import fsync_directory
@@ -56,8 +58,18 @@ def join_datasets(
     manifests = [load_manifest(p) for p in paths]
     classes = reconciled_classes(paths, manifests)
     check_destination(out, force)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_own_files(out)
+    resolved = [p.resolve() for p in paths]
+    repeated = next((p for i, p in enumerate(paths) if resolved[i] in resolved[:i]), None)
+    if repeated is not None:
+        raise PackError(f"{repeated}: named twice among the datasets to join; joining a dataset with itself "
+                        "would hold every record twice")
+    with claimed_destination(out, force), cleaned_up_on_failure(out):
+        remove_own_files(out)
+        return _join(out, paths, manifests, classes)
+
+
+def _join(out: Path, paths: list[Path], manifests: list[Manifest], classes: list[str]) -> JoinReport:
+    """Link or copy every input's shards into ``out`` under new names, then write the manifest."""
     shards: list[ShardInfo] = []
     linked = 0
     for path, manifest in zip(paths, manifests):

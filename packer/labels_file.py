@@ -180,6 +180,9 @@ def _is_jsonl(path: Path) -> bool:
 def _check_path(row: LabelRow, labels_path: Path) -> None:
     if not row.path:
         raise PackError(f"{labels_path}, line {row.line}: empty path")
+    if "\0" in row.path:
+        raise PackError(f"{labels_path}, line {row.line}: path {row.path!r} holds a NUL character, which no file "
+                        "name can")
     if Path(row.path).is_absolute():
         raise PackError(f"{labels_path}, line {row.line}: path {row.path!r} is absolute; paths are relative to SRC")
     if os.path.normpath(row.path).split(os.sep)[0] == "..":

@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from packer.cleanup import cleaned_up_on_failure
 from packer.destination import PLAN_NAME, remove_own_files
 from packer.errors import PackError
 from packer.journal import PartRecord, PlanRecord, part_problem
+from packer.locking import writer_lock
 from reader.format import MANIFEST_NAME, Manifest
 from reader.format.fields import FieldSpec
 
@@ -21,6 +23,13 @@ def merge_parts(dst: str | os.PathLike) -> Manifest:
     """Check that every partition of the pack in ``dst`` is finished (record counts, shard sizes and
     checksums) and write its manifest. Raises ``PackError`` naming every missing or broken part."""
     dst = Path(dst)
+    if not dst.is_dir():
+        raise PackError(f"{dst}: no such directory")
+    with writer_lock(dst), cleaned_up_on_failure(dst):
+        return _merge_parts(dst)
+
+
+def _merge_parts(dst: Path) -> Manifest:
     plan = PlanRecord.load(dst)
     if plan is None:
         if (dst / MANIFEST_NAME).exists():

@@ -9,6 +9,7 @@ partitions is packed, and ``merge_parts`` writes the manifest once every task is
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -22,11 +23,12 @@ from packer.destination import PLAN_NAME, check_destination, partition_files, re
 from packer.errors import PackError
 from packer.journal import PartRecord, PlanRecord, part_problem, plan_fingerprint
 from packer.labels_file import declare_field
+from packer.locking import claimed_destination
 from packer.merging import write_manifest
 from packer.partitions import Part, Partition, cut, default_partition_count, expected_record_bytes, parse_part
 from packer.pipeline import PackSettings, PartitionTask, pack_partitions
 from packer.resampling import default_resampler
-from packer.sources import Plan, scan_source
+from packer.sources import Plan, class_name, scan_source
 from packer.transforms import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS, TransformSpec
 from packer.version import __version__
 from reader.format import FORMAT_VERSION, MANIFEST_NAME, STORAGES, Manifest
@@ -117,7 +119,9 @@ def pack(
     }
     dst.mkdir(parents=True, exist_ok=True)
     mine = all_partitions if task_part is None else task_part.select(all_partitions)
-    with cleaned_up_on_failure(dst, None if task_part is None else [p.index for p in mine]):
+    # the tasks of a --part job share DST by design; any other pack is DST's one writer
+    with contextlib.nullcontext() if task_part is not None else claimed_destination(dst, force), \
+            cleaned_up_on_failure(dst, None if task_part is None else [p.index for p in mine]):
         plan_record = _plan_record(dst, plan, spec, storage, all_partitions, plan_fingerprint(plan, options))
         done = _finished_parts(dst, plan_record, mine)
         done_indices = {r.partition.index for r in done}
@@ -138,6 +142,12 @@ def pack(
 
 def _extended_classes(base: list[str], classes: list[str], labels: np.ndarray) -> tuple[list[str], np.ndarray]:
     """``base`` then the new classes in their order; ``labels`` renumbered to match."""
+    normalised = {class_name(name): name for name in base}
+    for name in classes:
+        if name not in normalised.values() and normalised.get(class_name(name)) is not None:
+            raise PackError(f"class {name!r} differs from the dataset's class {normalised[class_name(name)]!r} "
+                            "only by Unicode normalisation (NFC/NFD); it would be a second class that prints the "
+                            "same: rename the source's class to the dataset's spelling")
     extended = base + [name for name in classes if name not in set(base)]
     index = {name: i for i, name in enumerate(extended)}
     renumber = np.array([index[name] for name in classes], dtype=np.int64)

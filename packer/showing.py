@@ -52,6 +52,10 @@ def show(
         raise PackError(f"{dataset}: index {bad[0]} is out of range for {len(ds)} records" if bad
                         else f"{dataset}: give at least one record index")
     out = Path(out)
+    if out.is_symlink() and not out.exists():
+        raise PackError(f"{out}: a symlink to {os.readlink(out)!r}, which does not exist; --out must be a folder")
+    if out.exists() and not out.is_dir():
+        raise PackError(f"{out}: not a folder; --out must be a folder to write the PNG files into")
     out.mkdir(parents=True, exist_ok=True)
     records, images = [], []
     for index in (i % len(ds) for i in indices):

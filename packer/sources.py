@@ -26,7 +26,9 @@ none is, and refuses a mix, naming the first row that does not fit, instead of s
 from __future__ import annotations
 
 import os
+import re
 import stat
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -39,6 +41,7 @@ from packer.transforms import DEFAULT_MAX_FILE_BYTES, IMAGE_EXTENSIONS
 from reader.format.fields import FieldSpec
 
 LABEL_KINDS = ("auto", "index", "name")
+_INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits only: "３" and "٣" are names, not class 3
 # Integer labels name classes 0..max: more than this many classes is refused (10^9 would exhaust memory).
 MAX_INDEX_CLASSES = 1_000_000
 
@@ -168,7 +171,7 @@ def scan_image_folder(root: Path, files: _FileCheck | None = None, exclude: str 
     files = files or _FileCheck(root, "fail", DEFAULT_MAX_FILE_BYTES)
     excluded = _identity(Path(exclude)) if exclude is not None else None
     class_dirs = sorted(entry.name for entry in os.scandir(root)
-                        if entry.is_dir() and _identity(Path(entry.path)) != excluded)
+                        if _is_folder(entry, entry.name, files) and _identity(Path(entry.path)) != excluded)
     if not class_dirs:
         raise PackError(f"{root}: no class sub-folders (an ImageFolder source holds one folder per class)")
     seen = {_identity(root): "SRC itself"}
@@ -189,9 +192,41 @@ def scan_image_folder(root: Path, files: _FileCheck | None = None, exclude: str 
                         continue
                     paths.append(relative)
                     labels.append(index)
-    classes = [display_name(name) for name in class_dirs]
+    classes = _folder_classes(root, class_dirs)
     return Plan("imagefolder", root, classes, paths, np.array(labels, dtype=np.int64), files=count,
                 skipped=files.skipped)
+
+
+def _folder_classes(root: Path, class_dirs: list[str]) -> list[str]:
+    """The class names of ``class_dirs`` (``class_name``), refusing two folders whose names differ only
+    by Unicode normalisation: they would be two classes that print the same."""
+    classes = [class_name(display_name(name)) for name in class_dirs]
+    first: dict[str, str] = {}
+    for folder, name in zip(class_dirs, classes):
+        if name in first:
+            raise PackError(f"{root}: class folders {display_name(first[name])!r} and {display_name(folder)!r} "
+                            "differ only by Unicode normalisation (NFC/NFD); rename one so that they differ "
+                            "or merge them")
+        first[name] = folder
+    return classes
+
+
+def _is_folder(entry: os.DirEntry, relative: str, files: _FileCheck) -> bool | None:
+    """Whether ``entry`` is a folder (links followed); None, reported as a per-file error, when that
+    cannot be told (a symlink to itself or a loop of links: ``ELOOP``; no permission)."""
+    try:
+        return entry.is_dir()
+    except OSError as e:
+        files.report(relative, f"cannot tell what it is ({e.strerror}: a symlink loop?)")
+        return None
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -220,10 +255,13 @@ def _walk(
             continue
         names = []
         for entry in entries:
-            if not entry.is_dir():
+            relative = f"{folder}/{entry.name}"
+            folder_entry = _is_folder(entry, relative, files)
+            if folder_entry is None:
+                continue
+            if not folder_entry:
                 names.append(entry.name)
                 continue
-            relative = f"{folder}/{entry.name}"
             identity = _identity(Path(entry.path))
             if identity == excluded:
                 continue
@@ -282,13 +320,24 @@ def reads_as_indices(labels: list[str], label_kind: str) -> bool:
     """Whether a labels file's ``labels`` are class indices under ``label_kind`` (``auto``: when every one
     is an integer; a negative one is refused when the labels are read)."""
     return label_kind == "index" or (
-        label_kind == "auto" and bool(labels) and all(label.removeprefix("-").isdecimal() for label in labels))
+        label_kind == "auto" and bool(labels) and all(_INTEGER.fullmatch(label) for label in labels))
+
+
+def is_class_index(label: str) -> bool:
+    """Whether ``label`` is a class index: ASCII digits (``int()`` would also read "３" and "٣")."""
+    return _INTEGER.fullmatch(label) is not None and not label.startswith("-")
+
+
+def class_name(name: str) -> str:
+    """A class name as the dataset stores and compares it: Unicode NFC (macOS writes folder names in NFD;
+    the same name typed on Linux is NFC)."""
+    return unicodedata.normalize("NFC", name)
 
 
 def _label_ids(rows: list[tuple[int, str, str]], csv_path: Path, label_kind: str) -> tuple[list[str], np.ndarray]:
     """Classes and int64 label ids: integers kept as they are, class names indexed in sorted order."""
     names = [label for _, _, label in rows]
-    is_index = [name.removeprefix("-").isdecimal() for name in names]  # a negative one is refused below
+    is_index = [_INTEGER.fullmatch(name) is not None for name in names]  # a negative one is refused below
     if label_kind == "auto" and any(is_index) and not all(is_index):
         line, path, label = rows[is_index.index(False) if is_index[0] else is_index.index(True)]
         raise PackError(
@@ -297,6 +346,11 @@ def _label_ids(rows: list[tuple[int, str, str]], csv_path: Path, label_kind: str
         )
     if reads_as_indices(names, label_kind):
         return _index_labels(rows, csv_path)
+    for line, path, label in rows:
+        if not _is_text(label):
+            raise PackError(f"{csv_path}, line {line}: label {label[:30]!r} for {path!r} is not valid Unicode "
+                            "text (a lone surrogate)")
+    names = [class_name(name) for name in names]
     classes = sorted(set(names))
     index = {name: i for i, name in enumerate(classes)}
     return classes, np.array([index[name] for name in names], dtype=np.int64)
@@ -305,10 +359,10 @@ def _label_ids(rows: list[tuple[int, str, str]], csv_path: Path, label_kind: str
 def _index_labels(rows: list[tuple[int, str, str]], csv_path: Path) -> tuple[list[str], np.ndarray]:
     """Integer labels kept as they are; classes ``"0"..str(max)``, at most ``MAX_INDEX_CLASSES``."""
     for line, path, label in rows:
-        if not label.isdecimal() or int(label) >= MAX_INDEX_CLASSES:
+        if not is_class_index(label) or int(label) >= MAX_INDEX_CLASSES:
             raise PackError(
                 f"{csv_path}, line {line}: label {label[:30]!r} for {path!r} is not an integer from 0 to "
-                f"{MAX_INDEX_CLASSES - 1} (integer labels index classes 0..max)"
+                f"{MAX_INDEX_CLASSES - 1} in ASCII digits (integer labels index classes 0..max)"
             )
     values = np.array([int(label) for _, _, label in rows], dtype=np.int64)
     return [str(i) for i in range(int(values.max()) + 1 if len(values) else 0)], values

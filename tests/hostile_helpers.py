@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from reader.format.manifest import manifest_checksum
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 TIMEOUT_S = 60
@@ -60,10 +62,13 @@ def assert_one_line_error(done: subprocess.CompletedProcess, *names: str) -> str
 
 
 def edit_manifest(dst: Path, edit) -> None:
-    """Load ``manifest.json`` as plain JSON, change it in place with ``edit(data)`` and write it back."""
+    """Load ``manifest.json`` as plain JSON, change it in place with ``edit(data)`` and write it back with
+    its checksum recomputed, as an author hiding the change would (so the checks behind it are tested)."""
     path = dst / "manifest.json"
     data = json.loads(path.read_text())
     edit(data)
+    if "checksum" in data:
+        data["checksum"] = manifest_checksum(data)
     path.write_text(json.dumps(data))
 
 

@@ -4,6 +4,7 @@ a shard replaced under an open dataset is noticed instead of served against the 
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 from typing import Callable
@@ -28,10 +29,10 @@ def packed(request: pytest.FixtureRequest, tmp_path: Path, make_packed_dataset: 
     return make_packed_dataset(tmp_path, storage=request.param, resize=16, crop=16, shard_size=4 * 768)
 
 
-def write_manifest_bytes(data: bytes) -> Callable[[Path], tuple[str, ...]]:
+def write_manifest_bytes(data: bytes, *words: str) -> Callable[[Path], tuple[str, ...]]:
     def damage(dst: Path) -> tuple[str, ...]:
         (dst / "manifest.json").write_bytes(data)
-        return ("manifest.json",)
+        return ("manifest.json", *words)
     return damage
 
 
@@ -58,6 +59,15 @@ def test_manifests_of_the_wrong_shape_are_one_format_error(tmp_path: Path, make_
         "a list": write_manifest_bytes(b"[1, 2]"),
         "huge integer": write_manifest_bytes(
             text.replace('"format_version": 3', '"format_version": 3' + "0" * 5000).encode()),
+        "a flipped byte in a class name": write_manifest_bytes(
+            text.replace('"cat"', '"cbt"').encode(), "does not match its checksum", "damaged or edited"),
+        "no checksum": write_manifest_bytes(
+            json.dumps({k: v for k, v in json.loads(text).items() if k != "checksum"}).encode(), "'checksum'"),
+        "class_to_idx disagrees": edit(lambda d: d.update(class_to_idx={"dog": 0, "cat": 1}),
+                                       "class_to_idx does not agree with classes"),
+        "30 million class names": write_manifest_bytes(
+            text.replace('"classes": [', '"classes": [' + '"",' * 30_000_000).encode(),
+            "JSON values, more than any manifest holds"),
         "records a string": edit(lambda d: d["shards"][0].update(records="3"), "shards[0].records", "str"),
         "negative bytes": edit(lambda d: d["shards"][0].update(bytes=-1), "negative"),
         "boolean records": edit(lambda d: d["shards"][0].update(records=True), "shards[0].records"),

@@ -18,13 +18,18 @@ from reader.format.manifest_schema import check_manifest_data
 
 FORMAT_NAME = "packed-images"
 FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # 1: no source paths, no fields, every record labelled; 1-2: one LMDB value per record
+READABLE_VERSIONS = (1, 2, 3)  # 1: no source paths, no fields, every record labelled; 1-2: one LMDB value per record, no manifest checksum
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
 # A manifest larger than this is refused before it is read: a million skipped files listed with their
 # reasons take about 150 MB.
 MAX_MANIFEST_BYTES = 1 << 30
+# A manifest with more JSON values than this (counted as its commas, before parsing) is refused: parsed,
+# each value costs 50-100 bytes of Python objects, so 30 million class names in a manifest under the size
+# cap would take 4 GB. A million skipped files take 2 million values, a million classes 2 million
+# (``classes`` and ``class_to_idx``); parsing the largest manifest allowed takes about 2 GB.
+MAX_MANIFEST_VALUES = 20_000_000
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,21 @@ class Manifest:
             del data["fields"], data["labelled"]
         data["class_to_idx"] = self.class_to_idx
         data["num_records"] = self.num_records
+        if self.format_version >= 3:
+            data["checksum"] = manifest_checksum(data)
         return json.dumps(data, indent=2) + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes, origin: str = MANIFEST_NAME) -> Manifest:
-        """Parse and check a manifest; anything that is not one raises ``FormatError`` naming ``origin``."""
+        """Parse and check a manifest; anything that is not one raises ``FormatError`` naming ``origin``.
+
+        A version-3 manifest must carry the checksum of its own content, and ``class_to_idx`` must agree
+        with ``classes``."""
+        values = (text.count(b",") if isinstance(text, bytes) else text.count(",")) + 1
+        if values > MAX_MANIFEST_VALUES:
+            raise FormatError(f"{origin}: about {values} JSON values, more than any manifest holds "
+                              f"({MAX_MANIFEST_VALUES}); refused before parsing, which would take "
+                              f"{values * 50 >> 30}+ GiB of memory")
         try:
             data = json.loads(text)
         except UnicodeDecodeError as e:
@@ -110,9 +125,11 @@ class Manifest:
                 f"{origin}: format version {str(data.get('format_version'))[:20]} is not supported "
                 f"(this reader reads versions {', '.join(map(str, READABLE_VERSIONS))}; a newer packer wrote it)"
             )
-        data.pop("class_to_idx", None)
+        _check_own_checksum(data, origin)
+        class_to_idx = data.pop("class_to_idx", None)
         data.pop("num_records", None)
         check_manifest_data(data, origin)
+        _check_class_to_idx(data["classes"], class_to_idx, origin)
         data["shards"] = [ShardInfo(**s) for s in data["shards"]]
         fields = data.get("fields", [])
         data["fields"] = [FieldSpec.from_json(f, f"{origin}: fields[{i}]") for i, f in enumerate(fields)]
@@ -125,6 +142,35 @@ class Manifest:
         path = Path(directory) / MANIFEST_NAME
         write_file_atomically(path, self.to_json().encode())
         return path
+
+
+def manifest_checksum(data: dict[str, Any]) -> str:
+    """``"xxh3_128:<hex>"`` of a manifest's content: every key but ``checksum``, as canonical JSON
+    (sorted keys, no spaces, ASCII), so that it does not depend on how the file was indented."""
+    content = {key: value for key, value in data.items() if key != "checksum"}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_128_hexdigest(canonical.encode())}"
+
+
+def _check_own_checksum(data: dict[str, Any], origin: str) -> None:
+    """A version-3 manifest's ``checksum`` must be that of its content (older ones have none)."""
+    stored = data.pop("checksum", None)
+    if data["format_version"] < 3:
+        if stored is not None:
+            raise FormatError(f"{origin}: a checksum in a version-{data['format_version']} manifest")
+        return
+    if stored is None:
+        raise FormatError(f"{origin}: the manifest has no 'checksum' field")
+    if stored != manifest_checksum(data):
+        raise FormatError(f"{origin}: its content does not match its checksum (the manifest was damaged or "
+                          "edited); restore it from a good copy")
+
+
+def _check_class_to_idx(classes: list[str], class_to_idx: Any, origin: str) -> None:
+    """``class_to_idx``, where present, must be what ``classes`` says."""
+    if class_to_idx is not None and class_to_idx != {name: i for i, name in enumerate(classes)}:
+        raise FormatError(f"{origin}: class_to_idx does not agree with classes (a class named or numbered "
+                          "differently in the two)")
 
 
 def load_manifest(directory: str | os.PathLike) -> Manifest:
@@ -148,10 +194,11 @@ def load_manifest(directory: str | os.PathLike) -> Manifest:
             f"{directory}: no {MANIFEST_NAME}, so this is not a finished packed dataset "
             "(never packed, or a pack that did not complete)"
         )
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # a directory, a device, a FIFO: refused before any read
+        os.close(fd)
+        raise FormatError(f"{path}: not a regular file")
     with open(fd, "rb", closefd=True) as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path}: not a regular file")
         if st.st_size > MAX_MANIFEST_BYTES:
             raise FormatError(f"{path}: {st.st_size} bytes, more than any manifest ({MAX_MANIFEST_BYTES})")
         text = f.read(MAX_MANIFEST_BYTES + 1)

@@ -6,9 +6,11 @@ turns every such case into one ``FormatError`` naming the manifest and the field
 """
 from __future__ import annotations
 
+import unicodedata
 from typing import Any
 
 from reader.format.errors import FormatError
+from reader.format.fields import printable
 from reader.format.records import MAX_SIDE
 from reader.format.registry import ENCODINGS, STORAGES
 
@@ -83,6 +85,12 @@ def _check_classes(classes: list[Any], origin: str) -> None:
         _check_type(name, str, origin, f"classes[{index}]")
     if len(set(classes)) != len(classes):
         raise FormatError(f"{origin}: classes holds the same name twice")
+    first: dict[str, int] = {}
+    for index, name in enumerate(classes):
+        seen = first.setdefault(unicodedata.normalize("NFC", name), index)
+        if seen != index:
+            raise FormatError(f"{origin}: classes[{index}] {printable(name)!r} differs from classes[{seen}] only by "
+                              "Unicode normalisation (NFC/NFD)")
 
 
 def _check_shards(shards: list[Any], origin: str) -> None:

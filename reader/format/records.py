@@ -116,7 +116,10 @@ def _npy_parts(blob: bytes, shown: object, what: str) -> tuple[tuple[int, ...], 
                        (2, 0): np.lib.format.read_array_header_2_0}[version]
         shape, fortran, dtype = read_header(stream)
     except Exception as e:  # numpy raises ValueError, SyntaxError, TokenError... for a bad header
-        raise FormatError(f"{shown}: {what} is not valid .npy data ({type(e).__name__}: {e})") from None
+        # numpy's own advice for a long header (allow_pickle=True, trusting the file) is wrong for a stranger's
+        reason = ("its header is longer than numpy reads safely" if "max_header_size" in str(e)
+                  else f"{type(e).__name__}: {e}")
+        raise FormatError(f"{shown}: {what} is not valid .npy data ({reason})") from None
     return shape, fortran, dtype, blob[stream.tell():]
 
 
