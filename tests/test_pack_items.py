@@ -3,6 +3,8 @@ records as the same files packed from a folder, deterministically, with fields; 
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from typing import Callable
@@ -127,3 +129,19 @@ def test_every_item_skipped_is_one_line_naming_pack_items(tmp_path: Path) -> Non
         packer.pack_items([{"image": b"not an image"}, {"image": b"nor this"}], tmp_path / "out", workers=0,
                           progress=False, on_error="skip")
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_an_error_raised_by_the_items_while_workers_wait_is_raised_at_once(tmp_path: Path) -> None:
+    """The items fail after the first partition went to a worker: the error comes back as itself, and
+    the two idle workers end at once (they once waited for their end marker, 60 s each)."""
+    script = f"""
+import numpy as np, packer
+def items():
+    yield {{"image": np.zeros((8, 8, 3), np.uint8), "label": 0}}
+    raise ValueError("the stream broke")
+packer.pack_items(items(), {str(tmp_path / "out")!r}, workers=2, partition_size=1, progress=False)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=40)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == "ValueError: the stream broke"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
