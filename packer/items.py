@@ -30,7 +30,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from packer.cleanup import cleaned_up_on_failure
-from packer.destination import check_destination, remove_own_files
+from packer.destination import check_destination, create_destination, remove_own_files
 from packer.errors import PackError
 from packer.journal import PlanRecord
 from packer.labels_file import declare_field
@@ -80,7 +80,7 @@ def pack_items(
                 for name, f in (fields or {}).items()}
     dst = Path(dst)
     check_destination(dst, force)
-    dst.mkdir(parents=True, exist_ok=True)
+    create_destination(dst)
     remove_own_files(dst)  # nothing resumes: a dataset overwritten with force goes, its manifest first
     planner = _Planner(classes, declared)
     with cleaned_up_on_failure(dst, None):

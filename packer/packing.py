@@ -18,7 +18,14 @@ import numpy as np
 from tqdm import tqdm
 
 from packer.cleanup import cleaned_up_on_failure
-from packer.destination import PLAN_NAME, check_destination, partition_files, remove_files, remove_own_files
+from packer.destination import (
+    PLAN_NAME,
+    check_destination,
+    create_destination,
+    partition_files,
+    remove_files,
+    remove_own_files,
+)
 from packer.errors import PackError
 from packer.journal import PartRecord, PlanRecord, part_problem, plan_fingerprint
 from packer.labels_file import declare_field
@@ -115,7 +122,7 @@ def pack(
         "partitions": len(all_partitions),
         "transform": dataclasses.asdict(spec),
     }
-    dst.mkdir(parents=True, exist_ok=True)
+    create_destination(dst)
     mine = all_partitions if task_part is None else task_part.select(all_partitions)
     with cleaned_up_on_failure(dst, None if task_part is None else [p.index for p in mine]):
         plan_record = _plan_record(dst, plan, spec, storage, all_partitions, plan_fingerprint(plan, options))

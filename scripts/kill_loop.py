@@ -5,7 +5,9 @@ what happened: the clear error (good), a hang, another failure, or a pack that f
     PYTHONPATH=$PWD python scripts/kill_loop.py --runs 20 --load 0
 
 Each run kills at a seeded random one of ``tests/pack_helpers.KILL_EVENTS`` (a shard being written, a
-part record just saved, any moment once the workers exist) plus 0-20 ms. A pack that has not ended
+part record just saved, any moment once the workers exist) plus 0-20 ms. A pack that still succeeds
+("killed after its work": the worker had sent its last part record) or ended before the kill
+("finished first") is fine too. A pack that has not ended
 ``--hang-seconds`` after the kill counts as a hang (and is killed). After a good failure the same
 command is rerun, and must finish with the same files as a clean pack (else it counts as "bad
 resume"). Prints one line per problem and the totals; exits 1 if any run hung or failed otherwise.
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from pack_helpers import KILL_EVENTS, kill_a_worker, smooth_rgb  # noqa: E402
 
 CLEAR_ERROR = "a packing worker process died (exit code -9)"
+GOOD = ("clear error", "finished first", "killed after its work")
 
 
 def main() -> int:
@@ -55,18 +58,18 @@ def main() -> int:
             event, delay = rng.choice(KILL_EVENTS), rng.uniform(0, 0.02)
             outcome = _one_run(src, dst, clean, event, delay, args.hang_seconds)
             outcomes[outcome] += 1
-            if outcome not in ("clear error", "finished first"):
+            if outcome not in GOOD:
                 print(f"run {run}: {outcome} (kill at {event} + {delay * 1000:.0f} ms)", flush=True)
             shutil.rmtree(dst, ignore_errors=True)
     for burner in burners:
         burner.kill()
     print(f"{args.runs} runs in {time.monotonic() - started:.0f} s, load {args.load}: "
           + ", ".join(f"{name} {count}" for name, count in sorted(outcomes.items())))
-    return 0 if set(outcomes) <= {"clear error", "finished first"} else 1
+    return 0 if set(outcomes) <= set(GOOD) else 1
 
 
 def _one_run(src: Path, dst: Path, clean: Path, event: str, delay: float, hang_seconds: float) -> str:
-    pack = subprocess.Popen(_command(src, dst), stderr=subprocess.PIPE, text=True)
+    pack = subprocess.Popen(_command(src, dst), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         victim = kill_a_worker(pack, dst, event, delay, time.monotonic() + hang_seconds)
         try:
@@ -76,8 +79,10 @@ def _one_run(src: Path, dst: Path, clean: Path, event: str, delay: float, hang_s
     finally:
         pack.kill()
         pack.wait()
-    if victim is None or pack.returncode == 0:
+    if victim is None:
         return "finished first"
+    if pack.returncode == 0:  # the killed worker had sent its last part record already
+        return "killed after its work"
     if CLEAR_ERROR not in stderr or "Traceback" in stderr:
         return f"unclear failure (exit {pack.returncode}): {stderr.strip()[-300:]!r}"
     try:

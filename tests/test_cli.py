@@ -53,6 +53,15 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path, make_image_folder
     assert err == f"Error: {src / 'cat' / 'broken.png'}: not an image, or an unsupported image format\n"
 
 
+def test_a_destination_that_cannot_be_created_is_one_line(
+    tmp_path: Path, make_image_folder: Callable[..., Path]
+) -> None:
+    src = make_image_folder(tmp_path / "src", per_class=1)
+    code, _, err = run("pack", src, "/proc/x", "--workers", "0", "--quiet")
+    assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("Error: /proc/x: cannot ")  # create (as root) or write (as a user) the dataset
+
+
 def test_skip_prints_a_summary(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
     src = make_image_folder(tmp_path / "src", per_class=1)
     (src / "cat" / "broken.png").write_text("not a png")
@@ -121,6 +130,7 @@ def test_image_sizes_and_bad_values() -> None:
         (["pack", ".", "out", "--part", "half"], "Invalid value for '--part': --part 'half': expected I/N"),
         (["pack", ".", "out", "--workers", "many"], "Invalid value for '--workers': 'many' is not a valid integer"),
         (["pack", ".", "out", "--quality", "101"], "Invalid value for '--quality': 101 is not in the range 1<=x<=100"),
+        (["pack", ".", "out", "--quality", "50"], "Error: --quality sets the JPEG quality: it needs --encoding jpeg"),
     ],
 )
 def test_bad_option_values_are_usage_errors(args: list[str], message: str) -> None:
