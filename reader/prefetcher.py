@@ -37,9 +37,19 @@ class Loader(Protocol):
 
 
 def default_device(device: torch.device | str | None) -> torch.device:
-    """``device`` as a ``torch.device``; None means the current CUDA device when there is one, else CPU."""
+    """``device`` as a ``torch.device``; None means the current CUDA device when there is one, else CPU.
+    A CUDA device that is not there is a ``RuntimeError`` saying so (torch's own error comes later,
+    from deep inside the first copy, and does not say what to change)."""
     if device is not None:
-        return torch.device(device)
+        chosen = torch.device(device)
+        if chosen.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0 or (chosen.index or 0) >= count:
+                raise RuntimeError(
+                    f"device {str(device)!r}: torch sees {count} CUDA device{'s' * (count != 1)} "
+                    f"(torch {torch.__version__}); pass device=None (CUDA when present, else CPU) or 'cpu', "
+                    "or install a CUDA build of torch")
+        return chosen
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
