@@ -152,3 +152,15 @@ def test_show_takes_negative_indices_and_names_one_out_of_range(tmp_path: Path) 
     code, out, err = run("show", fixture, "-6", "--out", tmp_path / "none")
     assert code == 1 and err == f"Error: {fixture}: index -6 is out of range for 5 records\n"
     assert not (tmp_path / "none").exists()
+
+
+def test_an_old_pack_inside_src_is_left_out_with_a_note(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
+    src = make_image_folder(tmp_path / "src", per_class=2)
+    assert run("pack", src, tmp_path / "old", "--workers", "0", "--quiet")[0] == 0
+    (tmp_path / "old").rename(src / "packed")  # e.g. packed into SRC/packed on an earlier day
+    code, out, _ = run("pack", src, tmp_path / "out", "--workers", "0", "--quiet")
+    assert code == 0
+    assert out.splitlines()[1:] == [
+        "skipped 1 files:", "  packed: a packed dataset (it holds manifest.json), not a class folder: left out"]
+    manifest = load_manifest(tmp_path / "out")
+    assert manifest.classes == ["cat", "dog"] and manifest.num_records == 4
