@@ -17,6 +17,7 @@ exactly what the uninterrupted run drew, and the state is the same on every rank
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator, Protocol, Sequence
 
 import torch
@@ -107,6 +108,7 @@ class CUDAPrefetcher:
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._resume_at = 0
         self._position: dict | None = None
+        self.preparing_s = 0.0  # the calling thread's time in _start, which StepTimer keeps apart
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -181,9 +183,17 @@ class CUDAPrefetcher:
             source = iter(())
 
     def _start(self, batch: Batch | None, epoch: int, number: int) -> Batch | None:
-        """Enqueue the copy and augmentation of ``batch`` on the side stream (CPU: compute it now)."""
+        """Enqueue the copy and augmentation of ``batch`` on the side stream (CPU: compute it now);
+        the time this takes in the calling thread is added to ``preparing_s``."""
         if batch is None:
             return None
+        started = time.perf_counter()
+        try:
+            return self._prepared(batch, epoch, number)
+        finally:
+            self.preparing_s += time.perf_counter() - started
+
+    def _prepared(self, batch: Batch, epoch: int, number: int) -> Batch:
         extras: list[Any] = []
         if isinstance(batch, dict):  # make_loader(fields=...): {"image", "label", <fields>}
             images, labels = batch["image"], batch["label"]
