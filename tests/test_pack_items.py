@@ -63,8 +63,22 @@ def test_the_bytes_do_not_depend_on_the_worker_count(tmp_path: Path, make_image_
     assert PackedDataset(tmp_path / "w2").fields(5) == {"weight": 5.0}
 
 
-def test_a_webdataset_style_tar_stream_packs_with_its_fields(tmp_path: Path) -> None:
-    """The README's tar example: ``NAME.jpg`` + ``NAME.cls`` members read in order with ``tarfile``."""
+def samples(tar_file):  # type: ignore[no-untyped-def]
+    """The README's tar example, as printed there: a path, or a pipe such as ``sys.stdin.buffer``."""
+    opened = {"fileobj": tar_file} if hasattr(tar_file, "read") else {"name": tar_file}
+    with tarfile.open(mode="r|*", **opened) as tar:     # one pass: works on a stream
+        for member in tar:                              # NAME.jpg, then NAME.cls (sorted by name)
+            data = tar.extractfile(member).read()
+            if member.name.endswith(".jpg"):
+                image, source = data, member.name
+            elif member.name.endswith(".cls"):
+                yield {"image": image, "label": int(data), "source": source}
+
+
+@pytest.mark.parametrize("via", ["path", "pipe"])
+def test_a_webdataset_style_tar_stream_packs_with_its_fields(tmp_path: Path, via: str) -> None:
+    """The README's tar example: ``NAME.jpg`` + ``NAME.cls`` members read in one pass with ``tarfile``,
+    from a file or from a pipe (which allows no seeking back)."""
     shard = tmp_path / "shard-000.tar"
     with tarfile.open(shard, "w") as tar:
         for k in range(4):
@@ -75,14 +89,12 @@ def test_a_webdataset_style_tar_stream_packs_with_its_fields(tmp_path: Path) -> 
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
 
-    def samples():
-        with tarfile.open(shard) as tar:
-            members = iter(tar)
-            for image, cls in zip(members, members):
-                yield {"image": tar.extractfile(image).read(), "label": int(tar.extractfile(cls).read()),
-                       "source": image.name}
-
-    manifest = packer.pack_items(samples(), tmp_path / "out", workers=0, progress=False)
+    with subprocess.Popen(["cat", str(shard)], stdout=subprocess.PIPE) as cat:
+        assert cat.stdout is not None
+        source = shard if via == "path" else cat.stdout
+        manifest = packer.pack_items(samples(source), tmp_path / "out", workers=0, progress=False)
+        cat.stdout.read()
+        cat.wait(timeout=30)
     ds = PackedDataset(tmp_path / "out")
     assert manifest.classes == ["0", "1"] and [ds[k][1] for k in range(4)] == [0, 1, 0, 1]
     assert ds.source(2) == "sample002.jpg" and abs(int(ds[2][0].float().mean()) - 80) <= 2
