@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +31,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from pack_helpers import KILL_EVENTS, kill_a_worker, smooth_rgb  # noqa: E402
+from pack_helpers import KILL_EVENTS, children_of, kill_a_worker, smooth_rgb  # noqa: E402
 
 CLEAR_ERROR = "a packing worker process died (exit code -9)"
 GOOD = ("clear error", "finished first", "killed after its work")
@@ -75,6 +77,8 @@ def _one_run(src: Path, dst: Path, clean: Path, event: str, delay: float, hang_s
         try:
             _, stderr = pack.communicate(timeout=hang_seconds)
         except subprocess.TimeoutExpired:
+            for worker in children_of(pack.pid):  # else they would outlive the pack, hung
+                os.kill(worker, signal.SIGKILL)
             return "hang"
     finally:
         pack.kill()

@@ -111,7 +111,7 @@ def kill_a_worker(pack: subprocess.Popen, dst: Path, event: str, delay: float, d
         names = os.listdir(dst) if dst.is_dir() else []
         shards = [dst / name for name in names if "-shard-" in name and name.endswith(".tmp")]
         parts = [name for name in names if name.startswith(".part-") and name.endswith(".json")]
-        workers = _children(pack.pid)
+        workers = children_of(pack.pid)
         if workers and {"shard": shards, "part": parts, "any": workers}[event]:
             time.sleep(delay)
             writers = [pid for pid in workers if _holds(pid, shards)]
@@ -125,7 +125,7 @@ def kill_a_worker(pack: subprocess.Popen, dst: Path, event: str, delay: float, d
     return None
 
 
-def _children(pid: int) -> list[int]:
+def children_of(pid: int) -> list[int]:
     """The child processes of ``pid`` (its workers), from ``/proc``."""
     try:
         return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
