@@ -78,7 +78,7 @@ def _append(src: Path, dst: Path, old: Manifest, **options: Any) -> Manifest:
     classes = reconciled_classes([dst, staging], [old, new])
     shards = [_moved_in(staging, dst, shard, f"append-{generation:04d}-{shard.file}") for shard in new.shards]
     fsync_directory(dst)
-    joined = dataclasses.replace(old, classes=classes, shards=old.shards + shards,
+    joined = dataclasses.replace(old, classes=classes, shards=old.shards + shards, format_version=new.format_version,
                                  source=_appended_source(old.source, new.source), tool_version=__version__)
     joined.write(dst)
     shutil.rmtree(staging)

@@ -30,7 +30,7 @@ from packer.errors import PackError
 from packer.journal import PartRecord, PlanRecord, part_problem, plan_fingerprint
 from packer.labels_file import declare_field
 from packer.merging import write_manifest
-from packer.partitions import Part, Partition, cut, default_partition_count, parse_part
+from packer.partitions import Part, Partition, cut, default_partition_count, expected_record_bytes, parse_part
 from packer.pipeline import PackSettings, PartitionTask, pack_partitions
 from packer.resampling import default_resampler
 from packer.sources import Plan, scan_source
@@ -112,7 +112,7 @@ def pack(
         plan.classes, plan.labels = _extended_classes(list(base_classes), plan.classes, plan.labels)
     if not len(plan):
         raise PackError(f"{src}: no images to pack ({_empty_reason(plan)})")
-    all_partitions = cut(len(plan), partitions or default_partition_count(len(plan)))
+    all_partitions = cut(len(plan), partitions or default_partition_count(len(plan), expected_record_bytes(spec)))
     options = {
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,

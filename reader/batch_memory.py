@@ -115,7 +115,12 @@ def enable_handoff(worker_id: int) -> None:
 def hand_over(batch: tuple) -> tuple:
     """Collate function run in the worker: mark the batch's slot as owned by the main process, send
     a slot the main process knows as a ``_SlotView`` (``SlotReleaser.receive`` makes it a tensor),
-    and the labels by value (``received_labels`` makes them a tensor again).
+    and then the labels by value (``received_labels`` makes them a tensor again).
+
+    Only to a main process known to unwrap them: ``_SlotView`` and by-value labels are sent only for a
+    slot whose ``KNOWN`` byte the main process's ``SlotReleaser`` has set. A loader that some framework
+    rebuilt around this collate function (accelerate's ``prepare_data_loader``, say) has no
+    ``SlotReleaser``, so its batches stay plain tensors: no internal type reaches user code.
 
     Why by value: a small tensor crossing to the main process is moved into a new shared-memory file
     whose descriptor is passed over a socket, about 0.2 ms in the worker and more in the main process
@@ -127,11 +132,12 @@ def hand_over(batch: tuple) -> tuple:
         if trailer is not None:
             state = trailer.numpy()
             state[STATE_BYTE] = SENT
-            if state[KNOWN_BYTE] and isinstance(images, torch.Tensor):
-                images = _SlotView(state[NAME_BYTES].tobytes(), int(images.storage_offset()),
-                                   tuple(images.shape), tuple(images.stride()))
-        if isinstance(labels, torch.Tensor):
-            labels = _ByValue(labels.numpy())
+            if state[KNOWN_BYTE]:
+                if isinstance(images, torch.Tensor):
+                    images = _SlotView(state[NAME_BYTES].tobytes(), int(images.storage_offset()),
+                                       tuple(images.shape), tuple(images.stride()))
+                if isinstance(labels, torch.Tensor):
+                    labels = _ByValue(labels.numpy())
         batch = (images, labels, *batch[2:])
     return batch
 

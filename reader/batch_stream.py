@@ -38,7 +38,8 @@ class BatchStream(Sampler[list[int]]):
 
     ``iter()`` yields the current pass; ``endless()`` runs on pass after pass, and ends only if a pass
     has no batch at all, since every later pass would be empty too. ``len()`` is the number of batches
-    in the sampler's current pass (what one epoch of the loader yields). ``advise`` (called with a
+    in the sampler's whole epoch, those already yielded before a resume included (``batches_done``);
+    an iteration yields the ``batches_left`` (``ShardSampler``'s module docstring says why). ``advise`` (called with a
     batch's indices as a numpy array) sees every batch of ``endless()``
     ``ceil(lookahead / batch_size)`` batches before it is yielded (see the module docstring).
 
@@ -73,7 +74,16 @@ class BatchStream(Sampler[list[int]]):
         self.lookahead_batches = -(-lookahead // batch_size) if advise is not None else 0
 
     def __len__(self) -> int:
-        return self.batches_in(len(self.sampler))
+        return self.batches_done() + self.batches_left()
+
+    def batches_done(self) -> int:
+        """Batches yielded of the sampler's epoch before its position (each pass's samples, in batches;
+        a short last batch counts as one)."""
+        return sum(-(-samples // self.batch_size) for samples in self.sampler.passes_done())
+
+    def batches_left(self) -> int:
+        """Batches an iteration yields now: those of the sampler's samples left."""
+        return self.batches_in(self.sampler.samples_left)
 
     def batches_in(self, samples: int) -> int:
         """How many batches ``samples`` samples make."""
@@ -109,13 +119,27 @@ class BatchStream(Sampler[list[int]]):
         """The stream's batches as index arrays, pass after pass."""
         epoch, start = self.sampler.epoch, self.sampler.start
         while True:
-            batches = self._pass(epoch, start)
-            if not batches:
+            empty = True
+            for batch in self._pass(epoch, start):
+                empty = False
+                yield batch
+            if empty:
                 return
-            yield from batches
             epoch, start = self.following(epoch, start)
 
-    def _pass(self, epoch: int, start: int) -> list[np.ndarray]:
-        """The batches of the pass ``(epoch, start)``, cut as ``BatchSampler`` cuts them."""
-        order = self.sampler.rank_order(epoch)[start:]
-        return [order[i * self.batch_size:(i + 1) * self.batch_size] for i in range(self.batches_in(len(order)))]
+    def _pass(self, epoch: int, start: int) -> Iterator[np.ndarray]:
+        """The batches of the pass ``(epoch, start)``, cut as ``BatchSampler`` cuts them, each as soon as
+        the sampler has built the part of the order it needs (``ShardSampler.rank_pieces``): no pass
+        waits for a whole epoch's order."""
+        pending = np.zeros(0, np.int64)
+        skip = start
+        for piece, _ in self.sampler.rank_pieces(epoch):
+            cut = min(skip, len(piece))
+            skip -= cut
+            pending = np.concatenate([pending, piece[cut:]]) if len(pending) else piece[cut:]
+            full = len(pending) // self.batch_size
+            for i in range(full):
+                yield pending[i * self.batch_size:(i + 1) * self.batch_size]
+            pending = pending[full * self.batch_size:]
+        if len(pending) and not self.drop_last:
+            yield pending

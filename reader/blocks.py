@@ -35,6 +35,12 @@ def records_per_block(records: int, shard_bytes: int, size: int) -> int:
     return max(1, size * records // max(shard_bytes, 1))
 
 
+def block_count(records: int, shard_bytes: int, size: int) -> int:
+    """How many blocks a shard of ``records`` records in ``shard_bytes`` bytes has (at least one); its
+    ``block_bounds`` never cut more (records sharing a page may merge two)."""
+    return max(1, -(-records // records_per_block(records, shard_bytes, size)))
+
+
 def block_starts(shards: Sequence[ShardInfo], size: int) -> np.ndarray:
     """The dataset index of every block's first record, over all shards in order."""
     starts = []

@@ -181,6 +181,7 @@ class GPUDataset:
         return images, labels
 
     def __len__(self) -> int:
+        """Batches in a whole epoch, also after ``load_state_dict`` (an iteration then yields those left)."""
         count = self.samples_per_rank
         return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
 

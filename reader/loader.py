@@ -51,7 +51,11 @@ class PackedLoader(HookedDataLoader):
 
     ``set_epoch(e)`` selects the epoch's order (call it before each epoch); ``state_dict()`` after
     any batch, then ``load_state_dict()`` on a new loader, yields exactly the batches the first
-    loader would have yielded next. With ``pin_batches`` each batch is copied into pinned memory in
+    loader would have yielded next. ``len()`` is always the whole epoch's number of batches, also
+    after ``load_state_dict()``: a resumed loop yields only the ``len(loader) - batches_done()``
+    batches left, so a consumer that counts from its restored position (Lightning's ``batch_idx``,
+    ``CUDAPrefetcher``'s ``"batches"``, an LR schedule sized by ``len()``) ends the epoch exactly where
+    an uninterrupted run would. With ``pin_batches`` each batch is copied into pinned memory in
     the iterating thread (torch's caching host allocator reuses those blocks), which also frees its
     shared-memory slot at once.
 
@@ -67,9 +71,17 @@ class PackedLoader(HookedDataLoader):
     workers get that endless stream (``BatchStream.endless``) while ``batch_sampler`` itself, walked
     directly, yields one epoch.
 
+    Frameworks: Lightning uses it as it is (with ``use_distributed_sampler=False``, and built in a
+    ``train_dataloader()`` hook under DDP); accelerate's ``prepare`` returns it unchanged, since
+    every rank already reads its own share (batches stay on the host: ``CUDAPrefetcher`` moves them).
+
     ``evaluation``: each batch also carries the int64 dataset index of every sample and a bool mask,
     False for the padding samples that make the ranks' shares equal (see ``make_loader``).
     """
+
+    # accelerate's ``prepare`` returns a loader so marked as it is (``Accelerator.prepare_data_loader``):
+    # otherwise it rebuilds it around ``BatchSamplerShard``, which would split each rank's share again.
+    _is_accelerate_prepared = True
 
     def __init__(self, *args, pin_batches: bool = False, evaluation: bool = False,
                  fields: Sequence[str] | None = None, **kwargs) -> None:
@@ -122,18 +134,25 @@ class PackedLoader(HookedDataLoader):
         state["start"] = self._epoch_start + self._yielded
         return state
 
+    def batches_done(self) -> int:
+        """Batches of the current epoch yielded before the position a resumed loop starts at."""
+        return self.stream.batches_done()
+
     def load_state_dict(self, state: dict) -> None:
+        """Continue after a ``state_dict()``: the next loop yields that epoch's batches left (``len()``
+        stays the whole epoch's)."""
         self.shard_sampler.load_state_dict(state)
         self._yielded = 0
         self._epoch_start = self.shard_sampler.start
         self._stream_next = None
 
     def __iter__(self) -> Iterator[Batch | dict[str, Any]]:  # type: ignore[override]
+        self.shard_sampler.check_ranks()
         epoch, start = self.shard_sampler.epoch, self.shard_sampler.start
         self._yielded = 0
         self._epoch_start = start
         self._releaser.release_unused()
-        count = len(self)
+        count = self.stream.batches_left()
         if count == 0:
             return
         batches = self._stream_at(epoch, start)
@@ -281,5 +300,5 @@ def make_loader(
 def lookahead_samples(dataset: Dataset, buffer_blocks: int) -> int:
     """``LOOKAHEAD_WINDOWS`` windows of ``buffer_blocks`` of the dataset's blocks, in samples."""
     view = as_view(dataset)
-    blocks = max(len(np.unique(view.block_ids())), 1)
+    blocks = max(view.block_groups().block_count, 1)
     return round(LOOKAHEAD_WINDOWS * buffer_blocks * len(view) / blocks)

@@ -24,6 +24,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from reader.batch_memory import new_batch
 from reader.dataset import Images, Indices, PackedDataset
+from reader.epoch_order import BlockGroups
 
 
 class PackedView(Dataset):
@@ -41,13 +42,14 @@ class PackedView(Dataset):
         parts, part_of, record_of = _resolve(source)
         self.parts: list[PackedDataset] = parts
         self._identity = len(parts) == 1 and record_of is None
-        if record_of is None:
-            record_of = np.arange(len(parts[0]), dtype=np.int64)
-        self._part_of = part_of
-        self._record_of = record_of
+        self._length = len(part_of)
+        # per position: part and record; None for a whole single part (the identity), so that the view
+        # a worker receives holds nothing per record
+        self._part_of = None if self._identity else part_of
+        self._record_of = None if self._identity else record_of
 
     def __len__(self) -> int:
-        return len(self._record_of)
+        return self._length
 
     @property
     def readahead(self) -> bool:
@@ -60,9 +62,10 @@ class PackedView(Dataset):
         if self._identity:
             return np.asarray(self.parts[0].targets, dtype=np.int64)
         labels = np.zeros(len(self), np.int64)
+        part_of, record_of = self._positions()
         for k, part in enumerate(self.parts):
-            members = self._part_of == k
-            labels[members] = np.asarray(part.targets, dtype=np.int64)[self._record_of[members]]
+            members = part_of == k
+            labels[members] = np.asarray(part.targets, dtype=np.int64)[record_of[members]]
         return labels
 
     def block_ids(self) -> np.ndarray:
@@ -70,12 +73,20 @@ class PackedView(Dataset):
         numbered across the parts in part order."""
         ids = np.zeros(len(self), np.int64)
         first = 0
+        part_of, record_of = self._positions()
         for k, part in enumerate(self.parts):
             starts = part.block_starts()
-            members = self._part_of == k
-            ids[members] = first + np.searchsorted(starts, self._record_of[members], side="right") - 1
+            members = part_of == k
+            ids[members] = first + np.searchsorted(starts, record_of[members], side="right") - 1
             first += len(starts)
         return ids
+
+    def block_groups(self) -> BlockGroups:
+        """The positions grouped by block (``block_ids``): for a whole dataset straight from its block
+        layout, without a per-record array."""
+        if self._identity:
+            return BlockGroups(None, np.append(self.parts[0].block_starts(), len(self)).astype(np.int64))
+        return BlockGroups.of(self.block_ids())
 
     def check_fields(self, names: Sequence[str]) -> None:
         """``KeyError`` naming a field some part does not have; ``ValueError`` naming one whose type
@@ -115,7 +126,16 @@ class PackedView(Dataset):
         if pos.size and (pos.min() < 0 or pos.max() >= len(self)):
             bad = pos[(pos < 0) | (pos >= len(self))][0]
             raise IndexError(f"position {bad} is out of range for {len(self)} records of {_name(self.source)}")
-        return self._part_of[pos], self._record_of[pos]
+        if self._identity:
+            return np.zeros(len(pos), np.int64), pos
+        part_of, record_of = self._positions()
+        return part_of[pos], record_of[pos]
+
+    def _positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(part, record)`` of every position (made on the fly for the identity)."""
+        if self._part_of is None or self._record_of is None:
+            return np.zeros(len(self), np.int64), np.arange(len(self), dtype=np.int64)
+        return self._part_of, self._record_of
 
     def __getitems__(self, positions: Indices) -> tuple[Images, torch.Tensor]:
         return self.read_batch(positions)

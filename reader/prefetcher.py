@@ -111,6 +111,8 @@ class CUDAPrefetcher:
         self.preparing_s = 0.0  # the calling thread's time in _start, which StepTimer keeps apart
 
     def __len__(self) -> int:
+        """The loader's batches in a whole epoch (``make_loader``'s: also when resumed mid-epoch, when an
+        iteration yields only the batches after ``state_dict()["batches"]``)."""
         return len(self.loader)
 
     def set_epoch(self, epoch: int) -> None:

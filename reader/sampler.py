@@ -29,7 +29,11 @@ under NCCL each rank's CUDA device must be set first, as DDP needs anyway), and 
 records seen twice and others never.
 
 Resume: ``start`` skips the first ``start`` samples of this rank's epoch order. It is part of
-``state_dict()`` and stays in force until ``set_epoch`` moves to another epoch. The state records the
+``state_dict()`` and stays in force until ``set_epoch`` moves to another epoch. ``len()`` stays the
+whole epoch's length (``samples_done + samples_left``) while a resumed iteration yields only the
+``samples_left``: a consumer that counts from its restored position (Lightning's ``batch_idx``, a
+``for step in range(done, len(loader))`` loop, an LR schedule sized by ``len()``) reaches the
+epoch's end exactly, as with torchdata's ``StatefulDistributedSampler``. The state records the
 number of records (a state saved over a dataset of another size is refused) and the ``world_size``;
 ranks run in lockstep (equal batches), so after ``start`` samples on each of ``w`` ranks the epoch's
 unseen samples are the tails of the ``w`` slices. Loaded with another world size, the sampler continues
@@ -48,6 +52,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
 
 from reader.arguments import saved_state, whole_number
+from reader.epoch_order import EpochOrder, QuasiRandomOrder, RandomOrder
 from reader.packed_view import as_view
 from reader.ranks import rank_and_world_size
 
@@ -79,6 +84,7 @@ class ShardSampler(Sampler[int]):
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}: expected one of {', '.join(ORDERS)}")
         distributed = dist.is_available() and dist.is_initialized()
+        self._ranks_by_default = rank is None and world_size is None and not distributed
         rank, world_size = rank_and_world_size(rank, world_size)
         if buffer_blocks < 1:
             raise ValueError(f"buffer_blocks must be positive, got {buffer_blocks}")
@@ -94,7 +100,8 @@ class ShardSampler(Sampler[int]):
         self.epoch = 0
         self.start = 0
         self.history: list[tuple[int, int]] = []
-        _, self._block_ids = np.unique(view.block_ids(), return_inverse=True)
+        self._groups = view.block_groups()
+        self._orders: dict[tuple, EpochOrder] = {}
         if distributed and world_size > 1 and world_size == dist.get_world_size():
             _check_same_on_every_rank({"seed": seed, "order": order, "number of records": self.num_records})
 
@@ -102,6 +109,22 @@ class ShardSampler(Sampler[int]):
     def samples_per_rank(self) -> int:
         """How many samples each rank gets in the current pass (``start`` not applied)."""
         return self._fitted(self._remaining(self.history), self.world_size) // self.world_size
+
+    @property
+    def samples_done(self) -> int:
+        """How many samples each rank had yielded of this epoch before the next one this sampler yields:
+        ``start``, plus the ``start`` of every pass before a world-size change (the ranks ran in lockstep)."""
+        return sum(self.passes_done())
+
+    @property
+    def samples_left(self) -> int:
+        """How many samples an iteration yields now: this rank's share of the pass, less ``start``."""
+        return self.samples_per_rank - self.start
+
+    def passes_done(self) -> list[int]:
+        """The samples each rank had yielded in each pass of this epoch so far: one entry per world-size
+        change in ``history``, then this pass's ``start``."""
+        return [start for _, start in self.history] + [self.start]
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order to yield; moving to another epoch clears ``start``."""
@@ -125,6 +148,7 @@ class ShardSampler(Sampler[int]):
         over a dataset of another size (``records``; not checked in states saved before it was recorded)
         or with a missing or mistyped entry raises ``ValueError``/``TypeError`` naming it.
         """
+        self.check_ranks()
         state = saved_state(state, ("epoch", "seed", "order", "start"))
         if state["order"] != self.order:
             raise ValueError(f"saved state is for order {state['order']!r}, this sampler uses "
@@ -150,10 +174,29 @@ class ShardSampler(Sampler[int]):
         self.epoch, self.seed, self.history, self.start = epoch, seed, history, start
 
     def __len__(self) -> int:
-        return self.samples_per_rank - self.start
+        """The whole epoch's samples on this rank: ``samples_done + samples_left`` (iteration yields
+        the ``samples_left``; the module docstring says why)."""
+        return self.samples_done + self.samples_left
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.rank_order()[self.start:].tolist())
+        """This rank's share from ``start``, each window of the order built as it is reached."""
+        self.check_ranks()
+        skip = self.start
+        for piece, _ in self.rank_pieces():
+            cut = min(skip, len(piece))
+            skip -= cut
+            yield from piece[cut:].tolist()
+
+    def check_ranks(self) -> None:
+        """Raise ``RuntimeError`` when this sampler took rank 0 of 1 because torch.distributed was not
+        initialised yet, and it has been since with more ranks: every rank would read the whole epoch.
+        Frameworks initialise it inside ``fit`` (Lightning), after a loader passed to it was built."""
+        if self._ranks_by_default and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"this loader was built before torch.distributed was initialised, so it reads the whole dataset "
+                f"as rank 0 of 1, and so would each of the {dist.get_world_size()} ranks: build it after "
+                "init_process_group (with Lightning: in the train_dataloader() hook of the LightningModule or "
+                "DataModule), or pass rank= and world_size=")
 
     def rank_order(self, epoch: int | None = None) -> np.ndarray:
         """This rank's whole share of ``epoch`` (default: the current one), ``start`` not applied."""
@@ -163,15 +206,36 @@ class ShardSampler(Sampler[int]):
         """``(indices, valid)``: this rank's share of ``epoch`` (default: the current one, continuing
         its ``history`` of world-size changes), ``start`` not applied; ``valid`` is False for the
         wrapped duplicates that only pad the share to equal length."""
+        pieces = list(self.rank_pieces(epoch))
+        if not pieces:
+            return np.zeros(0, np.int64), np.zeros(0, bool)
+        return np.concatenate([p for p, _ in pieces]), np.concatenate([v for _, v in pieces])
+
+    def rank_pieces(self, epoch: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``rank_share(epoch)`` in consecutive pieces, each computed only when it is reached: only the
+        windows of the epoch's order that this rank's share covers are built (``reader.epoch_order``)."""
         current = self.epoch if epoch is None else epoch
-        order = self.epoch_order(current)
+        if current == self.epoch and self.history:
+            yield self._continued_share(self._epoch(current).whole())
+            return
+        total = self._fitted(self.num_records, self.world_size)
+        per = total // self.world_size
+        lo, hi = self.rank * per, (self.rank + 1) * per
+        while lo < hi:  # positions past the order's end wrap around to its beginning (padding)
+            turn, at = divmod(lo, self.num_records)
+            end = min(hi, (turn + 1) * self.num_records)
+            for piece in self._epoch(current).pieces(at, at + end - lo):
+                yield piece, np.full(len(piece), turn == 0)
+            lo = end
+
+    def _continued_share(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's share of the current epoch's ``order`` after the ``history`` of world-size changes."""
         valid = np.ones(len(order), dtype=bool)
-        if current == self.epoch:
-            for world, start in self.history:
-                order, valid = self._fit(order, valid, world)
-                per = len(order) // world
-                rest = (np.arange(world)[:, None] * per + np.arange(start, per)[None, :]).reshape(-1)
-                order, valid = order[rest], valid[rest]
+        for world, start in self.history:
+            order, valid = self._fit(order, valid, world)
+            per = len(order) // world
+            rest = (np.arange(world)[:, None] * per + np.arange(start, per)[None, :]).reshape(-1)
+            order, valid = order[rest], valid[rest]
         order, valid = self._fit(order, valid, self.world_size)
         per = len(order) // self.world_size
         first = self.rank * per
@@ -181,12 +245,24 @@ class ShardSampler(Sampler[int]):
         """Every record once, in ``epoch``'s order (default: the current epoch), before the split
         between ranks. Taking the epoch as an argument lets a loader prepare the next epoch's batches
         while this one is still being read, without touching the sampler's state."""
-        if self.order == "sequential":
-            return np.arange(self.num_records, dtype=np.int64)
-        rng = np.random.default_rng((self.seed, self.epoch if epoch is None else epoch))
-        if self.order == "random":
-            return rng.permutation(self.num_records).astype(np.int64)
-        return _quasi_random(self._block_ids, self.buffer_blocks, rng)
+        return self._epoch(self.epoch if epoch is None else epoch).whole()
+
+    def _epoch(self, epoch: int) -> EpochOrder:
+        """``epoch``'s order, built piece by piece as it is read; the two most recent epochs are kept
+        (the loader's stream runs into the next epoch while the current one is still being read)."""
+        key = (self.order, self.seed, self.buffer_blocks, epoch)
+        order = self._orders.get(key)
+        if order is None:
+            if self.order == "sequential":
+                order = EpochOrder(self.num_records)
+            else:
+                rng = np.random.default_rng((self.seed, epoch))
+                order = (RandomOrder(self.num_records, rng) if self.order == "random"
+                         else QuasiRandomOrder(self._groups, self.buffer_blocks, rng))
+            while len(self._orders) >= 2:
+                del self._orders[next(iter(self._orders))]
+            self._orders[key] = order
+        return order
 
     def _remaining(self, history: list[tuple[int, int]]) -> int:
         """How many samples of the epoch are left after ``history``'s passes (padding included)."""
@@ -223,18 +299,3 @@ def _check_same_on_every_rank(values: dict) -> None:
                 f"ShardSampler: the ranks disagree on the {name} ({each}); it must be the same on every "
                 "rank: the sampler splits one order between the ranks itself, so pass the run's seed "
                 "(e.g. make_loader(seed=args.seed)), not a per-rank one")
-
-
-def _quasi_random(block_ids: np.ndarray, buffer_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """Shuffle the blocks (``block_ids``: each record's block, numbered 0..k-1), then shuffle records
-    within windows of ``buffer_blocks`` blocks."""
-    if len(block_ids) == 0:
-        return np.zeros(0, np.int64)
-    perm = rng.permutation(int(block_ids.max()) + 1)
-    block_rank = np.empty_like(perm)
-    block_rank[perm] = np.arange(len(perm))
-    key = block_rank[block_ids]
-    records = np.argsort(key, kind="stable")
-    window = key[records] // buffer_blocks
-    within = rng.random(len(records))
-    return records[np.lexsort((within, window))].astype(np.int64)

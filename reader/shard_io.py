@@ -106,27 +106,35 @@ class ShardFiles:
 
     ``identities[s]`` is what shard file ``s`` was when the dataset was opened (see the module doc).
 
-    ``block_bounds[s]`` (optional) cuts shard file ``s`` into read-ahead blocks: the sorted byte
-    offsets where blocks start, then the file's end. Without it, only the requested records are read.
+    ``block_layout[s]`` (optional: block read-ahead) is ``(blocks, file bytes)`` of shard file ``s``, and
+    ``set_block_bounds(s, bounds)`` gives, once its record table is read, where those blocks start: the
+    byte offsets, then the file's end (fewer offsets than blocks leave empty blocks at its end). Until
+    then nothing of shard ``s`` is read ahead. Without a layout, only the requested records are read.
     Blocks are numbered over all shards in order (shard 0's blocks, then shard 1's, ...), so that a
     batch's blocks in every shard are found with a few array operations instead of a loop over shards.
     """
 
     def __init__(
         self, paths: list[Path], identities: list[FileIdentity], max_gap: int = DEFAULT_MAX_GAP,
-        block_bounds: list[np.ndarray] | None = None,
+        block_layout: list[tuple[int, int]] | None = None,
     ) -> None:
         self.paths = [Path(p) for p in paths]
         self.identities = identities
         self.max_gap = max_gap
-        self.block_bounds = block_bounds
-        if block_bounds is not None:
+        self.block_layout = block_layout
+        if block_layout is not None:
             # each shard's first global block number (then the total); each shard's origin in one
-            # address space where the shard files lie end to end; every block's start in it, then the end
-            self._first_block = np.cumsum([0] + [len(bounds) - 1 for bounds in block_bounds], dtype=np.int64)
-            self._shard_origin = np.cumsum([0] + [int(bounds[-1]) for bounds in block_bounds], dtype=np.int64)
-            self._block_starts = np.concatenate([origin + bounds[:-1] for origin, bounds in
-                                                 zip(self._shard_origin, block_bounds)] + [self._shard_origin[-1:]])
+            # address space where the shard files lie end to end; every block's start in it, then the
+            # end (a shard's blocks spread evenly over it until its bounds are known, to keep them sorted)
+            counts = np.array([blocks for blocks, _ in block_layout], np.int64).reshape(-1)
+            sizes = np.array([size for _, size in block_layout], np.int64).reshape(-1)
+            self._first_block = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            self._shard_origin = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            shard_of = np.repeat(np.arange(len(counts)), counts)
+            within = np.arange(len(shard_of), dtype=np.int64) - self._first_block[shard_of]
+            spread = within * sizes[shard_of] // np.maximum(counts[shard_of], 1)
+            self._block_starts = np.concatenate([self._shard_origin[shard_of] + spread, self._shard_origin[-1:]])
+        self._bounds_known = np.zeros(len(self.paths), bool)
         self._pid: int | None = None
         self._fds: dict[int, int] = {}
         self._advice_bytes: dict[int, int] = {}
@@ -137,11 +145,23 @@ class ShardFiles:
         self._gap = memoryview(bytearray(0))
 
     def __getstate__(self) -> dict:
-        return {"paths": self.paths, "max_gap": self.max_gap, "block_bounds": self.block_bounds,
+        """Paths, identities and block layout: O(shards). The block bounds are given again as the
+        receiving process reads the record tables again."""
+        return {"paths": self.paths, "max_gap": self.max_gap, "block_layout": self.block_layout,
                 "identities": self.identities}
 
     def __setstate__(self, state: dict) -> None:
-        ShardFiles.__init__(self, state["paths"], state["identities"], state["max_gap"], state["block_bounds"])
+        ShardFiles.__init__(self, state["paths"], state["identities"], state["max_gap"], state["block_layout"])
+
+    def set_block_bounds(self, shard: int, bounds: np.ndarray) -> None:
+        """Where shard ``shard``'s read-ahead blocks start, then its end (see the class docstring)."""
+        if self.block_layout is None:
+            return
+        first, last = int(self._first_block[shard]), int(self._first_block[shard + 1])
+        starts = np.asarray(bounds[:-1], np.int64)[:last - first]
+        filled = np.concatenate([starts, np.full(last - first - len(starts), int(bounds[-1]), np.int64)])
+        self._block_starts[first:last] = self._shard_origin[shard] + filled
+        self._bounds_known[shard] = True
 
     def __del__(self) -> None:
         self.close()
@@ -171,7 +191,7 @@ class ShardFiles:
         """Fill every destination of ``request`` with its record's bytes from shard number ``shard``."""
         fd = self._fd(shard)
         runs = self._runs(request)
-        if self.block_bounds is None:
+        if self.block_layout is None or not self._bounds_known[shard]:
             pending = runs
         else:
             mapped = self._mapped(shard, fd)
@@ -261,7 +281,10 @@ class ShardFiles:
         advised is not advised again, so the many batches drawing from the same blocks, and warm epochs,
         make no system call.
         """
-        if self.block_bounds is None or len(offsets) == 0:
+        known = self._bounds_known[shards]
+        if not known.all():
+            shards, offsets, nbytes = shards[known], offsets[known], nbytes[known]
+        if self.block_layout is None or len(offsets) == 0:
             return
         blocks = self._touched_blocks(shards, offsets, offsets + nbytes)
         shard_of = np.searchsorted(self._first_block, blocks, "right") - 1

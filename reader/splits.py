@@ -34,8 +34,9 @@ def split(dataset: Dataset, val_fraction: float, seed: int = 0) -> tuple[Subset,
     labels = as_view(dataset).targets
     rng = np.random.default_rng(seed)
     in_val = np.zeros(len(labels), dtype=bool)
-    for label in np.unique(labels).tolist():
-        members = np.flatnonzero(labels == label)
+    by_label = np.argsort(labels, kind="stable")  # O(N log N): each class's records, ascending, class by class
+    grouped = labels[by_label]
+    for members in np.split(by_label, np.flatnonzero(grouped[1:] != grouped[:-1]) + 1):
         chosen = rng.permutation(members)[:int(np.floor(val_fraction * len(members) + 0.5))]
         in_val[chosen] = True
     train, val = np.flatnonzero(~in_val), np.flatnonzero(in_val)  # int arrays: Subset takes any indexable

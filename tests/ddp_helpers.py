@@ -1,12 +1,17 @@
-"""Running a test's ranks as real processes (DDP over gloo), bounded in time."""
+"""Running a test's ranks as real processes (DDP over gloo, or a launcher's job), bounded in time."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from typing import Any, Callable
 
 import pytest
 import torch.multiprocessing as mp
+from hostile_helpers import subprocess_env
 
 RANKS_TIMEOUT_S = 300  # a healthy 2-rank job here takes 5-20 s
 
@@ -30,3 +35,24 @@ def run_ranks(fn: Callable[..., Any], args: tuple, nprocs: int, start_method: st
             for process in context.processes:
                 process.kill()
             pytest.fail(f"{nprocs} ranks of {fn.__name__} still ran after {timeout_s:.0f} s: killed")
+
+
+def run_job(command: list[str], timeout_s: float = RANKS_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run ``command`` (a launcher such as torchrun, or a script whose framework starts the other ranks)
+    in its own process group, with this checkout first on the path; its output is returned. Still
+    running after ``timeout_s``, the whole group (the ranks included) is killed and the test fails."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=subprocess_env(), start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command)} still ran after {timeout_s:.0f} s: killed; its output:\n{output[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, output, "")
+
+
+def torchrun(script: str, *args: str, ranks: int = 2) -> list[str]:
+    """The command that runs ``script ARGS`` on ``ranks`` local CPU processes with torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", str(script), *args]

@@ -85,6 +85,7 @@ def write_dataset(
     storage: str,
     encoding: str,
     records_per_shard: int,
+    classes: list[str] = CLASSES,
 ) -> Path:
     """Write ``images`` (HWC) as records in exactly this order, through ``reader.format``'s
     ``DatasetWriter`` rather than the packer (for tests that need that order); return ``dst``."""
@@ -93,7 +94,7 @@ def write_dataset(
     for k, (image, payload, label) in enumerate(zip(images, payloads, labels)):
         writer.add(payload, label, image.shape[0], image.shape[1], source=f"written/{k:04d}.png")
     sizes = {image.shape for image in images}
-    writer.finish(encoding=encoding, classes=CLASSES, shape=[3, *images[0].shape[:2]] if len(sizes) == 1 else None,
+    writer.finish(encoding=encoding, classes=classes, shape=[3, *images[0].shape[:2]] if len(sizes) == 1 else None,
                   transform={}, source={"kind": "test"}, tool_version="test",
                   jpeg_quality=JPEG_QUALITY if encoding == "jpeg" else None)
     return dst

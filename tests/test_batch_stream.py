@@ -87,7 +87,7 @@ def test_make_loader_advises_with_workers_and_read_ahead_only(raw_path):
     stream = loader.batch_sampler
     assert stream.advise == loader.dataset.advise and loader.source is ds
     expected = lookahead_samples(ds, 2)
-    blocks = int(loader.shard_sampler._block_ids.max()) + 1
+    blocks = loader.view.block_groups().block_count
     assert expected == round(LOOKAHEAD_WINDOWS * 2 * COUNT / blocks)
     assert stream.lookahead_batches == -(-expected // BATCH)
     assert make_loader(ds, BATCH, num_workers=0).batch_sampler.advise is None

@@ -409,7 +409,8 @@ def test_advise_forgets_old_blocks_and_skips_scattered_records(tmp_path, images,
     ds, _ = one_shard_of_blocks(tmp_path, images, "hdf5", "raw", records_per_block=2)
     disk = ColdDisk(monkeypatch)
     monkeypatch.setattr(reader.shard_io, "MAX_READAHEAD_BLOCKS", 2)
-    sizes = np.diff(ds._files.block_bounds[0])
+    ds.targets  # reads the table, which gives the shard its block bounds
+    sizes = np.diff(ds._files._block_starts)
     monkeypatch.setattr(reader.shard_io, "RECENT_ADVICE_BYTES", int(sizes[0] + sizes[4]))
     ds.advise([0, 8, 16])  # three blocks: scattered
     assert disk.advice == []

@@ -64,6 +64,7 @@ def test_resume_after_k_batches_equals_the_uninterrupted_run(
     resumed = training_prefetcher(path, workers)
     resumed.load_state_dict(saved)
     assert resumed.state_dict() == saved
+    assert len(resumed) == len(epochs[1]), "len() stays the whole epoch's; the loop counts from saved['batches']"
     for epoch in (1, 2):
         resumed.set_epoch(epoch)
         got = list(resumed)

@@ -57,7 +57,7 @@ def test_manifests_of_the_wrong_shape_are_one_format_error(tmp_path: Path, make_
         "deep nesting": write_manifest_bytes(b"[" * 200_000),
         "a list": write_manifest_bytes(b"[1, 2]"),
         "huge integer": write_manifest_bytes(
-            text.replace('"format_version": 2', '"format_version": 2' + "0" * 5000).encode()),
+            text.replace('"format_version": 3', '"format_version": 3' + "0" * 5000).encode()),
         "records a string": edit(lambda d: d["shards"][0].update(records="3"), "shards[0].records", "str"),
         "negative bytes": edit(lambda d: d["shards"][0].update(bytes=-1), "negative"),
         "boolean records": edit(lambda d: d["shards"][0].update(records=True), "shards[0].records"),

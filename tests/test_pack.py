@@ -12,6 +12,8 @@ from PIL import Image
 
 import packer
 from packer.errors import PackError
+from packer.partitions import default_partition_count, expected_record_bytes
+from packer.transforms import TransformSpec
 from reader.format import MANIFEST_NAME, load_manifest
 
 
@@ -116,9 +118,23 @@ def test_default_partition_count_comes_from_the_source_alone(
     src = make_image_folder(tmp_path / "src", classes=("a", "b"), per_class=40, size=(8, 8))  # 80 images
     one = packer.pack(src, tmp_path / "one", resize=8, workers=0, progress=False)
     packer.pack(src, tmp_path / "two", resize=8, workers=2, progress=False)
-    assert [s.file for s in one.shards] == ["part-00000-shard-00000.lmdb", "part-00001-shard-00000.lmdb"]
-    assert [s.records for s in one.shards] == [40, 40]  # 80 records: 2 partitions of at least 64 / 2
+    assert [s.file for s in one.shards] == ["part-00000-shard-00000.lmdb"]
+    assert [s.records for s in one.shards] == [80]  # 80 records of 192 B: far below one partition's 32 MiB
     assert (tmp_path / "one" / MANIFEST_NAME).read_bytes() == (tmp_path / "two" / MANIFEST_NAME).read_bytes()
+
+
+def test_default_partitions_are_long_enough_for_disk_reads() -> None:
+    jpeg, raw = TransformSpec(resize=256, crop=224, encoding="jpeg"), TransformSpec(resize=256, crop=224)
+    assert (expected_record_bytes(jpeg), expected_record_bytes(raw)) == (3 * 224 * 224 // 16, 3 * 224 * 224)
+    assert expected_record_bytes(TransformSpec(resize=8)) == 3 * 8 * 8
+    assert expected_record_bytes(TransformSpec()) == 3 * 256 * 256
+    # 24,000 JPEGs: 7 partitions (the square-root rule alone made 155); raw: 108 of ~33 MB; then the
+    # square root takes over for large datasets
+    assert default_partition_count(24_000, expected_record_bytes(jpeg)) == 7
+    assert default_partition_count(24_000, expected_record_bytes(raw)) == 108
+    assert default_partition_count(1_281_000, expected_record_bytes(jpeg)) == 360
+    assert default_partition_count(1_281_000, expected_record_bytes(raw)) == 1132
+    assert default_partition_count(12, 1) == 1
 
 
 def test_manifest_records_transform_and_source(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:

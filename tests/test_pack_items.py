@@ -64,7 +64,7 @@ def test_the_bytes_do_not_depend_on_the_worker_count(tmp_path: Path, make_image_
 
 
 def samples(tar_file):  # type: ignore[no-untyped-def]
-    """The README's tar example, as printed there: a path, or a pipe such as ``sys.stdin.buffer``."""
+    """docs/packing.md's tar example as it should read: a path, or a pipe such as ``sys.stdin.buffer``."""
     opened = {"fileobj": tar_file} if hasattr(tar_file, "read") else {"name": tar_file}
     with tarfile.open(mode="r|*", **opened) as tar:     # one pass: works on a stream
         for member in tar:                              # NAME.jpg, then NAME.cls (sorted by name)
@@ -77,7 +77,7 @@ def samples(tar_file):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("via", ["path", "pipe"])
 def test_a_webdataset_style_tar_stream_packs_with_its_fields(tmp_path: Path, via: str) -> None:
-    """The README's tar example: ``NAME.jpg`` + ``NAME.cls`` members read in one pass with ``tarfile``,
+    """docs/packing.md's tar example: ``NAME.jpg`` + ``NAME.cls`` members read in one pass with ``tarfile``,
     from a file or from a pipe (which allows no seeking back)."""
     shard = tmp_path / "shard-000.tar"
     with tarfile.open(shard, "w") as tar:

@@ -154,7 +154,8 @@ def test_resume_skips_what_was_consumed():
     resumed.load_state_dict(state)
     assert state == {"epoch": 4, "seed": 9, "order": "quasi_random", "start": 20, "world_size": 2, "history": [],
                      "records": N}
-    assert len(resumed) == len(full) - 20
+    assert len(resumed) == len(full), "len() is the whole epoch's"
+    assert (resumed.samples_done, resumed.samples_left) == (20, len(full) - 20)
     resumed.set_epoch(4)
     assert list(resumed) == full[20:]
     resumed.set_epoch(5)

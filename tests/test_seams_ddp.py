@@ -59,7 +59,7 @@ def ddp_session(rank: int, path: str, port: int, out: str, one_rank_state: dict)
         seen["eval"] = [{"pixels": identify(ids, images), "labels": labels.tolist(), "indices": indices.tolist(),
                          "valid": valid.tolist(), "dtypes": [str(indices.dtype), str(valid.dtype)]}
                         for images, labels, indices, valid in evaluation]
-        correct = torch.zeros((), dtype=torch.int64)  # the README's exact metric: "label is even"
+        correct = torch.zeros((), dtype=torch.int64)  # docs/reading.md's metric: "label is even"
         count = torch.zeros((), dtype=torch.int64)
         for _, labels, _, valid in evaluation:
             correct += ((labels % 2 == 0) & valid).sum()
@@ -161,7 +161,8 @@ def test_resume_from_two_ranks_on_one(job):
     ids = job["ids"]
     resumed = make_loader(resume_subset(job["path"]), BATCH, num_workers=0, seed=0)
     resumed.load_state_dict(state)
-    assert len(resumed) == 5, "(36 - 2 x 8) / 4 batches left"
+    assert (resumed.batches_done(), len(resumed)) == (2, 2 + 5), \
+        "the 2 batches each rank had read, then (36 - 2 x 8) / 4 batches left: a counter restored at 2 ends exactly"
     rest = flat([identify(ids, images) for images, _ in resumed])
     read = flat(ranks[0]["before_save"]) + flat(ranks[1]["before_save"]) + rest
     assert sorted(read) == list(range(RESUMED)), "nothing lost, nothing repeated"

@@ -1,10 +1,14 @@
-"""LMDB shards: one single-file environment, one key per record, the record table under its own key.
+"""LMDB shards: one single-file environment, records in chunks, the record table under its own key.
 
 Keys are 8-byte big-endian record numbers, so they sort in record order and are written with
-``append=True``. Values are the record payloads. The table is stored as ``.npy`` bytes under
-``TABLE_KEY``, which sorts after every record key, and records each payload's byte offset in the file
-as LMDB's map held it after the last record commit. Why those offsets stay true although the table's
-own commit follows (large payloads never move; a copied leaf page is never overwritten): FORMAT.md.
+``append=True``. Each value is a *chunk*: the payloads of the records from its key's number up to the
+next key's, back to back (format version 3 writes chunks of about ``_COMMIT_BYTES``; versions 1 and 2
+wrote one record per value, the same rule with chunks of one record). A chunk is one run of LMDB
+overflow pages, so the page rounding LMDB does to every value over ~2 KB is paid once per MiB instead
+of once per record. The table is stored as ``.npy`` bytes under ``TABLE_KEY``, which sorts after every
+record key, and records each payload's byte offset in the file as LMDB's map held it after the last
+record commit. Why those offsets stay true although the table's own commit follows (large values never
+move; a copied leaf page is never overwritten): FORMAT.md.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import os
 import struct
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import lmdb
 import numpy as np
@@ -25,7 +29,8 @@ from reader.format.records import parse_npy_array, parse_npy_table
 
 TABLE_KEY = b"~table"
 ARRAY_KEY_PREFIX = b"~array/"
-# Records are committed in transactions of about this many payload bytes. Small enough that LMDB's dirty
+# Records are committed in transactions of about this many payload bytes, each transaction one chunk
+# value (so a chunk wastes at most one page to LMDB's rounding: 0.2-0.4%). Small enough that LMDB's dirty
 # pages stay in the CPU cache between the copy in and the write out (and are reused, warm, by the next
 # transaction): measured packing 150 KB raw records, 64 MiB transactions cost 0.19-0.29 ms of CPU a
 # record, 1 MiB ones 0.06 (the whole pack 1.60 -> 1.45 ms an image); 256 KiB was no better.
@@ -76,57 +81,69 @@ class LmdbShardWriter(ShardWriter):
         except lmdb.Error as e:  # a full disk can already fail the open
             raise self._write_error(e) from None
         self._closed = False
-        self._pending: list[tuple[bytes, bytes]] = []
-        self._pending_bytes = 0
+        self._chunk: list[bytes] = []  # payloads of the chunk being filled, records _chunk_first...
+        self._chunk_first = 0
+        self._chunk_bytes = 0
+        self._chunk_starts: list[int] = []  # the first record of every committed chunk
 
     def _write_payload(self, index: int, payload: bytes | memoryview) -> None:
-        self._pending.append((record_key(index), bytes(payload)))
-        self._pending_bytes += len(payload)
-        if self._pending_bytes >= _COMMIT_BYTES:
-            self._commit()
+        if not self._chunk:
+            self._chunk_first = index
+        self._chunk.append(bytes(payload))
+        self._chunk_bytes += len(payload)
+        if self._chunk_bytes >= _COMMIT_BYTES:
+            self._commit_chunk()
 
-    def _commit(self) -> None:
-        """Write the pending records in one transaction, growing the map when it is full."""
+    def _commit_chunk(self) -> None:
+        """Write the records filled so far as one chunk value, in one transaction."""
+        if self._chunk:
+            self._put([(record_key(self._chunk_first), b"".join(self._chunk))])
+            self._chunk_starts.append(self._chunk_first)
+        self._chunk.clear()
+        self._chunk_bytes = 0
+
+    def _put(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Write ``items`` (keys in order, after every key written) in one transaction, growing the map
+        when it is full."""
         while True:
             try:
                 with self._env.begin(write=True) as txn:
                     cursor = txn.cursor()
-                    for key, value in self._pending:
+                    for key, value in items:
                         cursor.put(key, value, append=True)
-                break
+                return
             except lmdb.MapFullError:
                 self._env.set_mapsize(self._env.info()["map_size"] * 2)
-        self._pending.clear()
-        self._pending_bytes = 0
 
     def _finish_payloads(self, table: np.ndarray) -> np.ndarray:
-        self._commit()
-        offsets = np.empty(len(table), dtype=np.uint64)
+        """Each record's file offset: its chunk's place in LMDB's map plus the payloads before it."""
+        self._commit_chunk()
+        nbytes = table["nbytes"].astype(np.int64)
+        within = np.cumsum(nbytes) - nbytes  # offset inside the chunk, once each chunk's start is taken off
+        starts = np.array(self._chunk_starts, dtype=np.int64)
+        chunk_of = np.searchsorted(starts, np.arange(len(table)), "right") - 1
+        chunk_offset = np.empty(len(starts), dtype=np.int64)
         map_addr = mapping_address(self.tmp_path)
         with self._env.begin(buffers=True) as txn:
-            for i in range(len(table)):
-                offsets[i] = np.frombuffer(self._written(txn, i), dtype=np.uint8).ctypes.data - map_addr
-            first = bytes(self._written(txn, 0))
+            for k, first in enumerate(starts.tolist()):
+                view = txn.get(record_key(first))
+                if view is None:
+                    raise RuntimeError(f"{self.tmp_path}: chunk {first} was committed but LMDB does not find it")
+                chunk_offset[k] = np.frombuffer(view, dtype=np.uint8).ctypes.data - map_addr - within[first]
+            first_chunk = txn.get(record_key(0)) if len(table) else None
+            first_bytes = bytes(first_chunk[: int(nbytes[0])]) if first_chunk is not None else b""
+        offsets = (chunk_offset[chunk_of] + within).astype(np.uint64) if len(table) else np.zeros(0, np.uint64)
         with open(self.tmp_path, "rb") as f:
-            f.seek(int(offsets[0]))
-            if f.read(len(first)) != first:
+            f.seek(int(offsets[0]) if len(table) else 0)
+            if f.read(len(first_bytes)) != first_bytes:
                 raise RuntimeError(f"{self.tmp_path}: could not locate LMDB payloads in the file")
         return offsets
 
     def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
-        for name, array in sorted(arrays.items()):
-            self._pending.append((array_key(name), _npy_bytes(array)))
-        self._pending.append((TABLE_KEY, _npy_bytes(table)))
-        self._commit()
+        self._put([(array_key(name), _npy_bytes(array)) for name, array in sorted(arrays.items())]
+                  + [(TABLE_KEY, _npy_bytes(table))])
         self._env.sync(True)
         self._close()
-
-    def _written(self, txn: lmdb.Transaction, index: int) -> bytes | memoryview:
-        """Record ``index`` as LMDB's map holds it, just after it was committed."""
-        view = txn.get(record_key(index))
-        if view is None:
-            raise RuntimeError(f"{self.tmp_path}: record {index} was committed but LMDB does not find it")
-        return view
 
     def _as_os_error(self, error: Exception) -> OSError | None:
         return self._write_error(error) if isinstance(error, lmdb.Error) else None
@@ -195,26 +212,44 @@ def bounded_value(view: memoryview, map_address: int, file_size: int, shown: Pat
     return bytes(view)
 
 
+class _CheckedValues:
+    """Reads from one read transaction of a checked shard: values copied only from inside the file
+    (``bounded_value``), LMDB errors as ``FormatError`` naming the shard (``_checked_values``)."""
+
+    def __init__(self, txn: lmdb.Transaction, map_address: int, file_size: int, shown: Path) -> None:
+        self._txn = txn
+        self._cursor = txn.cursor()
+        self._map_address = map_address
+        self._file_size = file_size
+        self._shown = shown
+
+    def get(self, key: bytes, what: str) -> bytes | None:
+        """The value under ``key``, or None when it is absent."""
+        view = self._txn.get(key)
+        if view is None:
+            return None
+        return bounded_value(memoryview(view), self._map_address, self._file_size, self._shown, what)
+
+    def record_key_from(self, index: int) -> int | None:
+        """The first record key at or after record ``index`` (as a number), or None."""
+        if not self._cursor.set_range(record_key(index)):
+            return None
+        key = bytes(self._cursor.key())
+        return int.from_bytes(key, "big") if len(key) == 8 and key < ARRAY_KEY_PREFIX else None
+
+
 @contextmanager
-def _checked_values(
-    path: str | os.PathLike, file_size: int, shown: Path
-) -> Iterator[Callable[[bytes, str], bytes | None]]:
-    """A read transaction on the shard at ``path``, after its meta pages are checked against the file,
-    as a function from a key to its value (copied only from inside the file: ``bounded_value``; None
-    when absent). LMDB errors become ``FormatError`` naming ``shown``."""
+def _checked_values(path: str | os.PathLike, file_size: int, shown: Path) -> Iterator[_CheckedValues]:
+    """A read transaction on the shard at ``path``, after its meta pages are checked against the file.
+    LMDB errors become ``FormatError`` naming ``shown``."""
     check_lmdb_meta(path, file_size, shown)
     try:
         env = open_readonly(Path(path))
     except lmdb.Error as e:
         raise FormatError(f"{shown}: cannot be opened as an LMDB shard ({e})") from None
     try:
-        map_address = mapping_address(Path(path))
         with env.begin(buffers=True) as txn:
-            def value(key: bytes, what: str) -> bytes | None:
-                view = txn.get(key)
-                return None if view is None else bounded_value(view, map_address, file_size, shown, what)
-
-            yield value
+            yield _CheckedValues(txn, mapping_address(Path(path)), file_size, shown)
     except lmdb.Error as e:
         raise FormatError(f"{shown}: the LMDB shard is damaged ({e})") from None
     finally:
@@ -225,8 +260,8 @@ def read_lmdb_table(path: str | os.PathLike, shown: Path, records: int | None = 
     """The record table of the LMDB shard at ``path`` (named ``shown`` in errors), checked before
     anything is mapped or allocated: meta pages inside the file, the value inside the file, an
     ``.npy`` header of the record-table dtype and ``records`` rows."""
-    with _checked_values(path, os.stat(path).st_size, shown) as value:
-        blob = value(TABLE_KEY, "record table")
+    with _checked_values(path, os.stat(path).st_size, shown) as values:
+        blob = values.get(TABLE_KEY, "record table")
     if blob is None:
         raise FormatError(f"{shown}: LMDB shard has no record table (key {TABLE_KEY!r})")
     return parse_npy_table(blob, shown, records)
@@ -246,9 +281,9 @@ class LmdbContainer(Container):
         self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str]
     ) -> dict[str, np.ndarray]:
         arrays = {}
-        with _checked_values(path, file_size, shown) as value:
+        with _checked_values(path, file_size, shown) as values:
             for name in names:
-                blob = value(array_key(name), f"array {name}")
+                blob = values.get(array_key(name), f"array {name}")
                 if blob is None:
                     raise FormatError(f"{shown}: LMDB shard has no array {name!r}")
                 arrays[name] = parse_npy_array(blob, shown, f"array {name}")
@@ -257,7 +292,25 @@ class LmdbContainer(Container):
     def read_records(
         self, path: str | os.PathLike, file_size: int, shown: Path, table: np.ndarray
     ) -> Iterator[bytes | None]:
-        """``txn.get`` of every record key, copied only from inside the file (``bounded_value``)."""
-        with _checked_values(path, file_size, shown) as value:
-            for index in range(len(table)):
-                yield value(record_key(index), f"record {index}")
+        """Every record as LMDB's API gives it: the chunk under each record key (a cursor walk, values
+        copied only from inside the file), cut in the table's ``nbytes``. Chunk ``k`` holds records
+        ``k`` up to the next record key, so a one-record-per-value shard (format versions 1-2) reads
+        the same way; a record no key covers is None, and a chunk whose length is not its records'
+        sum gives pieces that differ from the bytes at the table's offsets."""
+        nbytes = table["nbytes"].tolist()
+        with _checked_values(path, file_size, shown) as values:
+            index = 0
+            while index < len(nbytes):
+                first = values.record_key_from(index)
+                first = len(nbytes) if first is None else min(first, len(nbytes))
+                yield from [None] * (first - index)
+                if first == len(nbytes):
+                    return
+                end = values.record_key_from(first + 1)
+                end = len(nbytes) if end is None else min(end, len(nbytes))
+                chunk = values.get(record_key(first), f"records {first}-{end - 1}") or b""
+                position = 0
+                for size in nbytes[first:end]:
+                    yield chunk[position:position + size]
+                    position += size
+                index = end

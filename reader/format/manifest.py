@@ -17,8 +17,8 @@ from reader.format.fields import FieldSpec
 from reader.format.manifest_schema import check_manifest_data
 
 FORMAT_NAME = "packed-images"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: no source paths, no fields, every record labelled
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: no source paths, no fields, every record labelled; 1-2: one LMDB value per record
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
@@ -108,7 +108,7 @@ class Manifest:
         if data.get("format_version") not in READABLE_VERSIONS or isinstance(data.get("format_version"), bool):
             raise FormatError(
                 f"{origin}: format version {str(data.get('format_version'))[:20]} is not supported "
-                f"(this reader reads versions {' and '.join(map(str, READABLE_VERSIONS))}; a newer packer wrote it)"
+                f"(this reader reads versions {', '.join(map(str, READABLE_VERSIONS))}; a newer packer wrote it)"
             )
         data.pop("class_to_idx", None)
         data.pop("num_records", None)

@@ -1,0 +1,194 @@
+"""Cold reads from a slow disk: every epoch against the disk's own sequential rate, measured in the same run.
+
+    python scripts/bench_cold.py run --mnt MNT SET [SET ...] [--ffcv BETON] [--epochs 1] [--orders quasi_random,random]
+        [--before CHECKOUT] [--mem SIZE]
+
+Each ``SET`` is a packed dataset on the slow disk (``/work/shared/tools/slowdisk up``, 100 MB/s, 200 read
+IOPS), written ``[LABEL=]PATH``. For each set: ``cat`` of its shard files under ``slowdisk run`` (the
+page cache dropped first): the disk's sequential rate; then, per order, a loader (batch 256, 2 workers)
+reading ``--epochs`` epochs under ``slowdisk run``. ``--before CHECKOUT`` runs another checkout's reader
+on the same set right after (set ``PYTHONPATH`` to it); ``--ffcv`` adds FFCV 1.0.2's loader
+(``RANDOM``, ``os_cache=True``, 2 threads; from ``--ffcv-python``, a venv of its own, never a
+dependency of this project) over a ``.beton`` on the same disk; ``--mem`` runs the readers with
+``SLOW_MEM`` (memory and page cache capped: a set larger than that is read from the disk every epoch).
+
+Reported per run: img/s, seconds, the first batch's wait, what the disk served (bytes, the number and
+mean size of its IOs: the blkio cgroup's ``blkio.throttle.io_service_bytes`` / ``io_serviced`` for
+the slow disk's device, before and after), MB/s, and the epoch's time against the *payload bound*:
+the payload bytes at the rate ``cat`` measured (``1.00x`` = the disk streamed nothing but payloads).
+Prints a markdown table; ``--json`` also writes the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BATCH = 256  # as bench_ffcv's loaders
+BLKIO = Path("/sys/fs/cgroup/blkio/slowdisk")
+SLOWDISK = os.environ.get("SLOWDISK", "/work/shared/tools/slowdisk")
+HERE = Path(__file__).resolve()
+CAT = ["sh", "-c", 'cat "$@" > /dev/null', "cat"]  # the files follow
+
+
+def read_epochs(dataset: str, order: str, epochs: int, workers: int) -> list[dict]:
+    """Per-epoch figures of ``make_loader`` over a packed dataset (the reader on ``sys.path``)."""
+    from bench_ffcv import _epochs
+
+    from reader import PackedDataset, make_loader
+
+    loader = make_loader(PackedDataset(dataset), BATCH, num_workers=workers, order=order)
+    return _epochs(loader, epochs, set_epoch=True, pids=lambda: [])
+
+
+def device_of(mnt: Path) -> str:
+    """``MAJ:MIN`` of the block device mounted at ``mnt``."""
+    dev = os.stat(mnt).st_dev
+    return f"{os.major(dev)}:{os.minor(dev)}"
+
+
+def disk_reads(device: str) -> tuple[int, int]:
+    """(bytes, IOs) the blkio cgroup has counted as read from ``device`` so far."""
+    def read_count(name: str) -> int:
+        for line in (BLKIO / name).read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 3 and fields[0] == device and fields[1] == "Read":
+                return int(fields[2])
+        return 0
+    return read_count("blkio.throttle.io_service_bytes"), read_count("blkio.throttle.io_serviced")
+
+
+def measured(command: list[str], device: str, mem: str | None = None) -> tuple[float, int, int, str]:
+    """Run ``command`` under ``slowdisk run``: (seconds, bytes read, IOs, stdout)."""
+    env = dict(os.environ)
+    env.pop("SLOW_MEM", None)
+    if mem:
+        env["SLOW_MEM"] = mem
+    before = disk_reads(device)
+    start = time.perf_counter()
+    out = subprocess.run([SLOWDISK, "run", *command], check=True, capture_output=True, text=True, env=env).stdout
+    seconds = time.perf_counter() - start
+    after = disk_reads(device)
+    return seconds, after[0] - before[0], after[1] - before[1], out
+
+
+def payload_bytes(dataset: Path) -> tuple[int, int, list[Path]]:
+    """(payload bytes, shard file bytes, shard files) of a packed dataset, from its tables."""
+    sys.path.insert(0, str(HERE.parents[1]))
+    from reader.format import container, load_manifest
+
+    manifest = load_manifest(dataset)
+    files = [dataset / shard.file for shard in manifest.shards]
+    payload = sum(int(container(manifest.storage).read_table(f, f)["nbytes"].sum()) for f in files)
+    return payload, manifest.total_bytes, files
+
+
+def run(args: argparse.Namespace) -> None:
+    device = device_of(Path(args.mnt))
+    rows = []
+    for item in args.sets:
+        label, _, path = item.rpartition("=")
+        dataset = Path(path)
+        label = label or dataset.name
+        payload, shard_bytes, files = payload_bytes(dataset)
+        seconds, nbytes, ios, _ = measured(CAT + [str(f) for f in files], device)
+        rate = shard_bytes / seconds
+        bound = payload / rate
+        print(f"{label}: payload {payload / 1e6:,.1f} MB, shards {shard_bytes / 1e6:,.1f} MB "
+              f"({shard_bytes / payload:.3f}x); cat cold {seconds:.2f} s = {rate / 1e6:.1f} MB/s "
+              f"({ios} IOs of {nbytes / max(ios, 1) / 1024:.0f} KiB); payload bound {bound:.2f} s", flush=True)
+        readers = [(f"{label}", sys.executable, None)]
+        if args.before:
+            readers.append((f"{label} before", sys.executable, args.before))
+        for name, python, checkout in readers:
+            for order in args.orders.split(","):
+                env_path = checkout or str(HERE.parents[1])
+                command = ["env", f"PYTHONPATH={env_path}", python, str(HERE), "read", str(dataset),
+                           "--order", order, "--epochs", str(args.epochs)]
+                rows.append(_row(f"{name}, {order}", command, device, args.mem, payload, shard_bytes, rate, len(files)))
+    if args.ffcv:
+        beton = Path(args.ffcv)
+        size = beton.stat().st_size
+        seconds, nbytes, ios, _ = measured(CAT + [str(beton)], device)
+        print(f"{beton.name}: {size / 1e6:,.1f} MB; cat cold {size / seconds / 1e6:.1f} MB/s", flush=True)
+        command = [args.ffcv_python, str(HERE), "ffcv", str(beton), "--epochs", str(args.epochs)]
+        rows.append(_row("FFCV 1.0.2, RANDOM os_cache", command, device, args.mem, payload, size,
+                         size / seconds, 1))
+    print("\n| reader, order | epoch | img/s | s | first batch s | read MB | IOs | mean IO KiB | MB/s "
+          "| x payload bound |\n|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['name']} | {row['epoch']} | {row['img_s']:,.0f} | {row['seconds']:.2f} | "
+              f"{row['first_batch_s']:.2f} | {row['read_mb']} | {row['ios']} | {row['io_kib']} | "
+              f"{row['mb_s']} | {row['x_bound']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _row(name: str, command: list[str], device: str, mem: str | None, payload: int, shard_bytes: int,
+         rate: float, shards: int) -> dict:
+    """Run one reader (all its epochs in one process); the disk counters cover the whole run, so with
+    several epochs they are shared out by what each epoch took (shown on the first row)."""
+    seconds, nbytes, ios, out = measured(command, device, mem)
+    epochs = json.loads(out.strip().splitlines()[-1])
+    rows = []
+    for epoch in epochs:
+        epoch["seconds"], epoch["first_batch_s"] = epoch["images"] / epoch["img_s"], epoch["first_batch_ms"] / 1000
+    for epoch in epochs:
+        first = epoch is epochs[0]
+        rows.append({"name": name, "epoch": epoch["epoch"], "img_s": epoch["images"] / epoch["seconds"],
+                     "seconds": epoch["seconds"], "first_batch_s": epoch["first_batch_s"],
+                     "read_mb": f"{nbytes / 1e6:,.0f}" if first else "",
+                     "ios": ios if first else "", "io_kib": f"{nbytes / max(ios, 1) / 1024:,.0f}" if first else "",
+                     "mb_s": f"{nbytes / sum(e['seconds'] for e in epochs) / 1e6:.0f}" if first else "",
+                     "x_bound": f"{epoch['seconds'] / (payload / rate):.2f}x"})
+        print(f"  {name} epoch {epoch['epoch']}: {rows[-1]['img_s']:,.0f} img/s, {epoch['seconds']:.2f} s "
+              f"({rows[-1]['x_bound']} the payload bound), first batch {epoch['first_batch_s']:.2f} s", flush=True)
+    print(f"    disk: {nbytes / 1e6:,.0f} MB in {ios} IOs", flush=True)
+    return rows[0] if len(rows) == 1 else _merge(rows)
+
+
+def _merge(rows: list[dict]) -> dict:
+    merged = dict(rows[0])
+    for key in ("epoch", "img_s", "seconds", "first_batch_s", "x_bound"):
+        values = [r[key] for r in rows]
+        merged[key] = " / ".join(f"{v:,.0f}" if key == "img_s" else f"{v:.2f}" if isinstance(v, float) else str(v)
+                                 for v in values)
+    merged["img_s_values"] = [r["img_s"] for r in rows]
+    return merged
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run")
+    p.add_argument("sets", nargs="+")
+    p.add_argument("--mnt", required=True)
+    p.add_argument("--orders", default="quasi_random")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--before")
+    p.add_argument("--ffcv")
+    p.add_argument("--ffcv-python", default="/work/ffcv-venv/bin/python")
+    p.add_argument("--mem")
+    p.add_argument("--json")
+    for name in ("read", "ffcv"):
+        p = sub.add_parser(name)
+        p.add_argument("path")
+        p.add_argument("--order", default="quasi_random")
+        p.add_argument("--epochs", type=int, default=1)
+        p.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    if args.command == "run":
+        run(args)
+    elif args.command == "read":
+        print(json.dumps(read_epochs(args.path, args.order, args.epochs, args.workers)))
+    else:
+        from bench_ffcv import run_ffcv
+        print(json.dumps(run_ffcv(args.path, args.epochs, args.workers)))
+
+
+if __name__ == "__main__":
+    main()
