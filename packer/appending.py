@@ -79,6 +79,7 @@ def append(
         raise PackError(f"{dst}: cannot append: {problem} (the dataset is left as it was)")
     with writer_lock(dst), cleaned_up_on_failure(dst):
         old = load_manifest(dst)  # read again under the lock: another writer may have swapped it meanwhile
+        _check_transform_here(dst, old)
         return _append(Path(src), dst, old, labels=labels, label_kind=label_kind, workers=workers,
                        on_error=on_error, shard_size=shard_size, progress=progress, max_file_bytes=max_file_bytes)
 
@@ -147,6 +148,25 @@ def _pack_staged(src: str | os.PathLike, staging: Path, old: Manifest, **options
          quality=old.jpeg_quality or 90, resampler=spec.resampler,
          max_pixels=old.transform.get("max_pixels", spec.max_pixels),
          fields={field.name: field for field in old.fields}, base_classes=old.classes, **options)
+
+
+def _check_transform_here(dst: Path, old: Manifest) -> None:
+    """Refuse, before packing anything, to append where this install would not redo ``old``'s
+    pre-transform exactly (the staged dataset's would then differ, and joining it would be refused
+    after the whole pack): above all a resize by another library than the dataset's (plain Pillow
+    where the dataset was resized by pillow-simd, or another torch version), which shifts pixels."""
+    spec = TransformSpec.from_description(old.transform)
+    here = dataclasses.replace(spec, encoding=old.encoding,
+                               max_pixels=old.transform.get("max_pixels", spec.max_pixels)).describe()
+    differing = sorted(k for k in set(here) | set(old.transform) if here.get(k) != old.transform.get(k))
+    if "resampler_library" in differing:
+        raise PackError(
+            f"{dst}: was resized by {old.transform.get('resampler_library')} ({spec.resampler} resampler), but here "
+            f"that resampler is {here['resampler_library']}: the appended images would not be resized the same "
+            "way; append with the same install (scripts/setup_env reinstalls pillow-simd), or pack a new dataset")
+    if differing:
+        raise PackError(f"{dst}: its pre-transform differs in {', '.join(differing)} from what this packer "
+                        f"({__version__}) does; pack a new dataset instead of appending")
 
 
 def _check_source_fits(

@@ -175,7 +175,7 @@ def main() -> None:
 @click.option("--encoding", type=click.Choice(ENCODINGS), default="raw", show_default=True,
               help="raw: uint8 CHW pixels; jpeg: baseline JPEG.")
 @click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True,
-              help="JPEG quality (with --encoding jpeg).")
+              help="JPEG quality (only with --encoding jpeg).")
 @click.option("--shard-size", type=ByteSize(), default="512MiB", show_default=True,
               help="Payload bytes per shard, e.g. 512MB or 1GiB.")
 @click.option("--workers", type=click.IntRange(min=0), help="Processes [default: all cores; 0 = in-process].")
@@ -212,6 +212,9 @@ def pack_command(src: Path, dst: Path, labels: Path | None, fields: tuple[FieldS
     if append:
         _append_command(src, dst, labels, label_kind, workers, on_error, shard_size, max_file_bytes, quiet)
         return
+    source = click.get_current_context().get_parameter_source("quality")
+    if source == click.core.ParameterSource.COMMANDLINE and encoding != "jpeg":
+        raise click.UsageError("--quality sets the JPEG quality: it needs --encoding jpeg")
     names = [field.name for field in fields]
     repeated = [name for name in names if names.count(name) > 1]
     if repeated:

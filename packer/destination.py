@@ -70,6 +70,15 @@ def check_destination(dst: Path, force: bool) -> None:
         )
 
 
+def create_destination(dst: Path) -> None:
+    """Make the ``dst`` directory (and its parents) if it is not there; one ``PackError`` line if that
+    fails, e.g. under ``/proc``, which ``access`` calls writable for root."""
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PackError(f"{dst}: cannot create the dataset directory: {e.strerror or e}") from None
+
+
 def unwritable(dst: Path) -> str | None:
     """Why ``dst`` (or, when it does not exist yet, the nearest existing path it would be made in) cannot
     be written (a file where a folder is needed, no permission, a read-only file system), or None.

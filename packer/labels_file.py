@@ -98,15 +98,27 @@ def field_specs(
             check_field_name(name)
         except ValueError as e:
             raise PackError(f"{labels_path}: column or key {name!r} cannot be a field: {e}") from None
-        if name in declared:
-            specs.append(declared[name])
-            continue
         values = [row.values[name] for row in rows if name in row.values]
+        if name in declared:
+            specs.append(_with_classes(declared[name], values, labels_path))
+            continue
         try:
             specs.append(infer_spec(name, values if _is_jsonl(labels_path) else _cell_values(values)))
         except ValueError as e:
             raise PackError(f"{labels_path}: {e} (e.g. --field {name}:TYPE)") from None
     return specs
+
+
+def _with_classes(spec: FieldSpec, values: list[Any], labels_path: Path) -> FieldSpec:
+    """A declared ``NAME:labels`` without a class list takes its classes from the file, as an inferred
+    one does: the sorted names when the values are names (integers stay integer labels)."""
+    if spec.type != "labels" or spec.classes is not None:
+        return spec
+    try:
+        inferred = infer_spec(spec.name, values if _is_jsonl(labels_path) else _cell_values(values))
+    except ValueError:
+        return spec  # mixed values: parsing names the first bad row
+    return inferred if inferred.type == "labels" else spec
 
 
 def parse_values(rows: list[LabelRow], specs: list[FieldSpec], labels_path: Path) -> None:

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from packer.destination import check_destination
+from packer.destination import check_destination, create_destination
 from packer.errors import PackError
 from reader.format.fields import printable
 
@@ -120,7 +120,7 @@ def _refusal(dst: Path, holder: str) -> str:
 def claimed_destination(dst: Path, force: bool) -> Iterator[None]:
     """Create ``dst``, hold its writer lock while the block runs, and check it again under the lock: a
     writer that finished a dataset there between the caller's first check and the lock is not undone."""
-    dst.mkdir(parents=True, exist_ok=True)
+    create_destination(dst)
     with writer_lock(dst):
         check_destination(dst, force)
         yield

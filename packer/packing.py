@@ -19,7 +19,14 @@ import numpy as np
 from tqdm import tqdm
 
 from packer.cleanup import cleaned_up_on_failure
-from packer.destination import PLAN_NAME, check_destination, partition_files, remove_files, remove_own_files
+from packer.destination import (
+    PLAN_NAME,
+    check_destination,
+    create_destination,
+    partition_files,
+    remove_files,
+    remove_own_files,
+)
 from packer.errors import PackError
 from packer.journal import PartRecord, PlanRecord, part_problem, plan_fingerprint
 from packer.labels_file import declare_field
@@ -117,7 +124,7 @@ def pack(
         "partitions": len(all_partitions),
         "transform": dataclasses.asdict(spec),
     }
-    dst.mkdir(parents=True, exist_ok=True)
+    create_destination(dst)
     mine = all_partitions if task_part is None else task_part.select(all_partitions)
     # the tasks of a --part job share DST by design; any other pack is DST's one writer
     with contextlib.nullcontext() if task_part is not None else claimed_destination(dst, force), \

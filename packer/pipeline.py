@@ -2,10 +2,11 @@
 
 A partition (``packer.partitions``) is packed start to finish by one process into its own shards
 (``part-PPPPP-shard-SSSSS``), then marked done by its part record (``packer.journal``). Nothing per
-record travels between processes except a shared progress count, so adding cores adds writers too.
+record travels between processes except a progress count, so adding cores adds writers too.
 The result of a partition depends only on its records, so any number of processes, in any order,
 give the same bytes. With ``workers <= 1`` the partitions are packed one after the other in this
-process; otherwise forked worker processes take them one at a time from a queue.
+process; otherwise forked worker processes are sent them one at a time, each down its own pipe
+(``_Pool``: no lock is shared, so a worker killed at any moment fails the pack instead of hanging it).
 
 Finishing a partition (its last shard's LMDB commit or HDF5 copy, fsync, rename and checksum, then
 the part record) takes 15-20 ms for a 10 MB shard here, most of it waiting for the disk. A process
@@ -16,8 +17,11 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -36,6 +40,8 @@ from reader.format import DatasetWriter
 from reader.format.fields import FieldSpec
 
 _PROGRESS_SECONDS = 0.2
+_DEATH_SECONDS = 10  # between a worker's pipe closing and its exit code being there: milliseconds
+_SHUTDOWN_SECONDS = 60  # for the workers to finish saving the partitions they are on, after a failure
 
 
 @dataclass(frozen=True)
@@ -169,90 +175,177 @@ def pack_partitions(
     """Pack every task's partition with ``workers`` processes; their part records, in task order.
 
     ``tasks`` may be a list or a stream (``packer.items`` makes them as it reads its items): at most
-    ``2 * workers`` of them are taken ahead of the workers, so a stream of in-memory images is never
+    two of them per worker are taken ahead of the workers, so a stream of in-memory images is never
     held whole. ``on_records(n)`` is called in this process as images are done. The first failure
-    stops the other partitions (their finished shards stay for a rerun to overwrite) and is raised
-    here; so is the death of a worker process.
+    stops the other partitions (their finished shards stay for a rerun to keep) and is raised here;
+    so is the death of a worker process, killed at any moment, and an error raised by ``tasks``.
     """
     if isinstance(tasks, list) and len(tasks) <= 1 or workers <= 1:
         reuse_large_allocations()
         return list(pack_in_turn(tasks, on_records))
-    context = multiprocessing.get_context("fork")
-    todo, results = context.Queue(), context.Queue()
-    done_count, stop = context.Value("q", 0), context.Event()
-    processes = [
-        context.Process(target=_worker, args=(todo, results, done_count, stop), daemon=True)
-        for _ in range(min(workers, len(tasks)) if isinstance(tasks, list) else workers)
-    ]
-    for process in processes:  # forked before this process starts the queue's feeder thread
-        process.start()
-    feeder = _Feeder(iter(tasks), todo, len(processes))
-    records: dict[int, PartRecord] = {}
-    reported = 0
+    count = min(workers, len(tasks)) if isinstance(tasks, list) else workers
+    pool = _Pool(count)
     try:
-        feeder.feed(outstanding=0)
-        while not feeder.finished or len(records) < len(feeder.fed):
-            try:
-                kind, payload = results.get(timeout=_PROGRESS_SECONDS)
-            except queue.Empty:
-                _check_alive(processes)
-                continue
-            finally:
-                now = done_count.value
-                on_records(now - reported)
-                reported = now
-            if kind == "error":
-                raise payload.rebuilt()
-            records[payload.partition.index] = payload
-            feeder.feed(outstanding=len(feeder.fed) - len(records))
+        return pool.run(iter(tasks), on_records)
     finally:
-        stop.set()
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    return [records[index] for index in feeder.fed]
+        pool.shut_down()
 
 
-class _Feeder:
-    """Puts tasks on the workers' queue as they free up, then one end marker per worker."""
+@dataclass
+class _Worker:
+    """One worker process and the parent's ends of its two pipes: tasks go down ``tasks``, part
+    records (or the error that stopped it) come back up ``results``. ``outstanding``: the partitions
+    sent to it whose record has not come back yet."""
 
-    def __init__(self, tasks: Iterator[PartitionTask], todo: Any, workers: int) -> None:
-        self.tasks, self.todo, self.workers = tasks, todo, workers
-        self.fed: list[int] = []
-        self.finished = False
-
-    def feed(self, outstanding: int) -> None:
-        while not self.finished and outstanding < 2 * self.workers:
-            task = next(self.tasks, None)
-            if task is None:
-                self.finished = True
-                for _ in range(self.workers):
-                    self.todo.put(None)
-                return
-            self.todo.put(task)
-            self.fed.append(task.partition.index)
-            outstanding += 1
+    process: Any
+    tasks: Connection
+    results: Connection
+    outstanding: list[int] = field(default_factory=list)
 
 
-def _worker(todo: Any, results: Any, done_count: Any, stop: Any) -> None:
-    """A worker process: packs partitions from ``todo`` until its end marker, sends each part record
-    (or the error that stopped it) to ``results``."""
+class _Pool:
+    """Forked worker processes that share no lock with each other or with this process.
+
+    A process killed at any moment (the OOM killer's SIGKILL) can hold a lock forever, and whoever
+    waits on it next hangs: a shared queue's reader or writer lock, an ``Event``'s condition, a counted
+    ``Value``. So each worker has its own pipes (one reader, one writer each), reports its progress in
+    its own slot of a lock-free shared array, and reads a lock-free stop flag; this process waits on
+    the pipes and on the processes' sentinels at once, so a death is seen within a progress tick.
+    """
+
+    def __init__(self, count: int) -> None:
+        context = multiprocessing.get_context("fork")
+        self.done = context.RawArray("q", count)  # images done, one slot per worker: a single writer each
+        self.stop = context.RawValue("b", 0)
+        pipes = [(context.Pipe(duplex=False), context.Pipe(duplex=False)) for _ in range(count)]
+        everything = [end for pair in pipes for pipe in pair for end in pipe]
+        self.workers: list[_Worker] = []
+        for number, ((task_out, task_in), (result_out, result_in)) in enumerate(pipes):
+            others = [end for end in everything if end is not task_out and end is not result_in]
+            process = context.Process(target=_worker, daemon=True,
+                                      args=(number, task_out, result_in, others, self.done, self.stop))
+            self.workers.append(_Worker(process, task_in, result_out))
+        for worker in self.workers:
+            worker.process.start()
+        for (task_out, _), (_, result_in) in pipes:
+            task_out.close()
+            result_in.close()
+
+    def run(self, tasks: Iterator[PartitionTask], on_records: Callable[[int], Any]) -> list[PartRecord]:
+        records: dict[int, PartRecord] = {}
+        fed: list[int] = []
+        reported = 0
+        more = True
+        while True:
+            for worker in self.workers:
+                while more and len(worker.outstanding) < 2:
+                    task = next(tasks, None)
+                    if task is None:
+                        more = False
+                        for each in self.workers:
+                            each.tasks.close()  # the end of the tasks, which the worker sees as EOF
+                        break
+                    self._send(worker, task)
+                    fed.append(task.partition.index)
+            if not more and len(records) == len(fed):
+                return [records[index] for index in fed]
+            running = [w for w in self.workers if not w.results.closed]
+            ready = wait([w.results for w in running] + [w.process.sentinel for w in running], _PROGRESS_SECONDS)
+            for worker in running:
+                if worker.results in ready or worker.process.sentinel in ready:
+                    for kind, payload in self._receive(worker):
+                        if kind == "error":
+                            raise payload.rebuilt()
+                        records[payload.partition.index] = payload
+                        worker.outstanding.remove(payload.partition.index)
+            now = sum(self.done)
+            on_records(now - reported)
+            reported = now
+
+    def _send(self, worker: _Worker, task: PartitionTask) -> None:
+        try:
+            worker.tasks.send(task)
+        except OSError:  # the worker is gone: its end of the pipe was closed with it
+            worker.process.join(_DEATH_SECONDS)
+            raise _death(worker.process.exitcode) from None
+        worker.outstanding.append(task.partition.index)
+
+    def _receive(self, worker: _Worker) -> list[tuple[str, Any]]:
+        """What ``worker`` has sent so far. Once it has ended, its pipe is closed, and an error raised
+        if partitions sent to it are still outstanding."""
+        messages = []
+        ended = worker.process.exitcode is not None  # then everything it sent is in the pipe already
+        while worker.results.poll():
+            try:
+                messages.append(worker.results.recv())
+            except (EOFError, OSError):  # it exited, or died while sending
+                ended = True
+                break
+        if ended:
+            worker.results.close()
+            worker.process.join(_DEATH_SECONDS)
+            left = set(worker.outstanding) - {m[1].partition.index for m in messages if m[0] == "record"}
+            if left and not any(kind == "error" for kind, _ in messages):
+                raise _death(worker.process.exitcode)
+        return messages
+
+    def shut_down(self) -> None:
+        """Stop the workers: each finishes the partition it is saving (kept for a rerun) and gives up
+        the others; any still running after ``_SHUTDOWN_SECONDS`` is killed."""
+        self.stop.value = 1
+        for worker in self.workers:
+            worker.tasks.close()
+        deadline = time.monotonic() + _SHUTDOWN_SECONDS
+        running = [w for w in self.workers if w.process.exitcode is None]
+        while running and time.monotonic() < deadline:
+            ready = wait([w.results for w in running if not w.results.closed]
+                         + [w.process.sentinel for w in running], deadline - time.monotonic())
+            for worker in running:
+                if worker.results in ready:  # drained, so that a worker never blocks sending to us
+                    try:
+                        worker.results.recv()
+                    except (EOFError, OSError):
+                        worker.results.close()
+            running = [w for w in running if w.process.exitcode is None]
+        for worker in self.workers:
+            if worker.process.is_alive():
+                worker.process.kill()
+            worker.process.join()
+            worker.results.close()
+
+
+def _worker(number: int, tasks: Connection, results: Connection, others: list[Connection], done: Any,
+            stop: Any) -> None:
+    """A worker process: packs the partitions sent down ``tasks`` until its end, sends each part
+    record (or the error that stopped it) up ``results``; counts its images in ``done[number]``."""
+    for end in others:  # the other workers' pipes and this process's copies of the parent's ends
+        end.close()
     leave_interrupts_to_the_parent()
     reuse_large_allocations()
+    received: queue.SimpleQueue[PartitionTask | None] = queue.SimpleQueue()
+    threading.Thread(target=_read_tasks, args=(tasks, received), daemon=True).start()
 
     def count_done(n: int) -> None:
-        with done_count.get_lock():
-            done_count.value += n
+        done[number] += n
 
     try:
-        for record in pack_in_turn(iter(todo.get, None), count_done, stop.is_set):
-            results.put(("record", record))
+        for record in pack_in_turn(iter(received.get, None), count_done, lambda: bool(stop.value)):
+            results.send(("record", record))
     except Stopped:
         pass
     except BaseException as e:
-        results.put(("error", WorkerError.of(e)))
+        results.send(("error", WorkerError.of(e)))
+
+
+def _read_tasks(tasks: Connection, received: "queue.SimpleQueue[PartitionTask | None]") -> None:
+    """Take each task off the pipe as soon as it is sent (so the parent never waits on a busy worker),
+    then None at the end of the tasks."""
+    while True:
+        try:
+            received.put(tasks.recv())
+        except (EOFError, OSError):
+            received.put(None)
+            return
 
 
 @dataclass(frozen=True)
@@ -288,13 +381,9 @@ class WorkerError:
         return PackError(f"{self.type_name}: {self.message}")
 
 
-def _check_alive(processes: list[Any]) -> None:
-    """Raise when a worker process died (killed, out of memory) instead of finishing its work."""
-    if all(process.exitcode == 0 for process in processes):
-        raise PackError("the packing worker processes ended before every partition was packed")
-    for process in processes:
-        if process.exitcode not in (None, 0):
-            raise PackError(
-                f"a packing worker process died (exit code {process.exitcode}); "
-                "if it ran out of memory, use fewer workers"
-            )
+def _death(exitcode: int | None) -> PackError:
+    """The error for a worker process that ended (killed, out of memory) before its work was done."""
+    if exitcode == 0:
+        return PackError("a packing worker process ended before every partition was packed")
+    return PackError(f"a packing worker process died (exit code {exitcode}); "
+                     "if it ran out of memory, use fewer workers")

@@ -38,6 +38,7 @@ import numpy as np
 from packer.errors import PackError
 from packer.labels_file import field_specs, parse_values, read_label_rows
 from packer.transforms import DEFAULT_MAX_FILE_BYTES, IMAGE_EXTENSIONS
+from reader.format import FormatError, load_manifest
 from reader.format.fields import FieldSpec
 
 LABEL_KINDS = ("auto", "index", "name")
@@ -172,6 +173,10 @@ def scan_image_folder(root: Path, files: _FileCheck | None = None, exclude: str 
     excluded = _identity(Path(exclude)) if exclude is not None else None
     class_dirs = sorted(entry.name for entry in os.scandir(root)
                         if _is_folder(entry, entry.name, files) and _identity(Path(entry.path)) != excluded)
+    for name in [name for name in class_dirs if _is_packed_dataset(root / name)]:
+        class_dirs.remove(name)  # an earlier pack's output, not a class: listed, whatever on_error says
+        files.skipped.append(Skipped(display_name(name), "a packed dataset (it holds manifest.json), not a "
+                                                         "class folder: left out"))
     if not class_dirs:
         raise PackError(f"{root}: no class sub-folders (an ImageFolder source holds one folder per class)")
     seen = {_identity(root): "SRC itself"}
@@ -227,6 +232,15 @@ def _is_text(text: str) -> bool:
         return True
     except UnicodeEncodeError:
         return False
+
+
+def _is_packed_dataset(folder: Path) -> bool:
+    """Whether ``folder`` is a finished dataset of this format (its manifest loads)."""
+    try:
+        load_manifest(folder)
+    except FormatError:
+        return False
+    return True
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from reader.arguments import whole_number
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, received_labels
 from reader.batch_stream import BatchStream
-from reader.packed_view import PackedView, as_view
+from reader.packed_view import PackedView, as_view, check_own_reads
 from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
 from reader.torch_hooks import HookedDataLoader
 
@@ -237,7 +237,9 @@ def make_loader(
     ``ConcatDataset`` of them, nested in any way; the quasi-random order then shuffles the blocks of
     the underlying files, so a subset or a mix reads as sequentially as a whole dataset. Batches that
     mix datasets of a ``ConcatDataset`` are gathered with one copy. Anything else raises ``TypeError``
-    (use a plain ``DataLoader`` for it: ``PackedDataset`` follows torch's conventions there).
+    (use a plain ``DataLoader`` for it: ``PackedDataset`` follows torch's conventions there), and so
+    does a subclass of those three that overrides ``__getitem__`` or ``__getitems__``, which
+    ``make_loader`` would never call.
 
     Order (default ``"quasi_random"``, ``"sequential"`` with ``evaluation``), seed, rank, world_size, pad
     and buffer_blocks go to ``ShardSampler`` (the blocks are the dataset's: ``block_bytes``). ``seed`` is
@@ -270,6 +272,7 @@ def make_loader(
     if isinstance(fields, str):
         raise TypeError(f"fields must be a list of field names, got the string {fields!r} "
                         f"(for one field: fields=[{fields!r}])")
+    check_own_reads(dataset)
     view = PackedView(dataset)
     if fields is not None:
         view.check_fields(fields)

@@ -245,3 +245,22 @@ def _resolve(dataset: Dataset) -> tuple[list, np.ndarray, np.ndarray | None]:
 def _name(dataset: Dataset) -> str:
     path = getattr(dataset, "path", None)
     return str(path) if path is not None else type(dataset).__name__
+
+
+def check_own_reads(dataset: Dataset) -> None:
+    """Refuse a dataset whose class overrides how items are read (``__getitem__``/``__getitems__``):
+    ``make_loader`` reads its records with ``PackedDataset.read_batch`` (an override of which is honoured),
+    so that code would silently never run.
+    Checks a ``PackedDataset``, ``Subset`` or ``ConcatDataset`` subclass at any depth."""
+    for base in (PackedDataset, Subset, ConcatDataset):
+        if isinstance(dataset, base):
+            own = [name for name in ("__getitem__", "__getitems__")
+                   if getattr(type(dataset), name, None) is not getattr(base, name, None)]
+            if own:
+                raise TypeError(
+                    f"make_loader reads the records of {type(dataset).__name__} with PackedDataset.read_batch, so its "
+                    f"own {' and '.join(own)} would never run; give it to a plain torch DataLoader instead, or "
+                    "apply that code to make_loader's batches")
+    for child in [getattr(dataset, "dataset", None), *getattr(dataset, "datasets", [])]:
+        if isinstance(child, Dataset):
+            check_own_reads(child)

@@ -17,6 +17,7 @@ exactly what the uninterrupted run drew, and the state is the same on every rank
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator, Protocol, Sequence
 
 import torch
@@ -37,9 +38,19 @@ class Loader(Protocol):
 
 
 def default_device(device: torch.device | str | None) -> torch.device:
-    """``device`` as a ``torch.device``; None means the current CUDA device when there is one, else CPU."""
+    """``device`` as a ``torch.device``; None means the current CUDA device when there is one, else CPU.
+    A CUDA device that is not there is a ``RuntimeError`` saying so (torch's own error comes later,
+    from deep inside the first copy, and does not say what to change)."""
     if device is not None:
-        return torch.device(device)
+        chosen = torch.device(device)
+        if chosen.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0 or (chosen.index or 0) >= count:
+                raise RuntimeError(
+                    f"device {str(device)!r}: torch sees {count} CUDA device{'s' * (count != 1)} "
+                    f"(torch {torch.__version__}); pass device=None (CUDA when present, else CPU) or 'cpu', "
+                    "or install a CUDA build of torch")
+        return chosen
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -97,6 +108,7 @@ class CUDAPrefetcher:
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._resume_at = 0
         self._position: dict | None = None
+        self.preparing_s = 0.0  # the calling thread's time in _start, which StepTimer keeps apart
 
     def __len__(self) -> int:
         """The loader's batches in a whole epoch (``make_loader``'s: also when resumed mid-epoch, when an
@@ -173,9 +185,17 @@ class CUDAPrefetcher:
             source = iter(())
 
     def _start(self, batch: Batch | None, epoch: int, number: int) -> Batch | None:
-        """Enqueue the copy and augmentation of ``batch`` on the side stream (CPU: compute it now)."""
+        """Enqueue the copy and augmentation of ``batch`` on the side stream (CPU: compute it now);
+        the time this takes in the calling thread is added to ``preparing_s``."""
         if batch is None:
             return None
+        started = time.perf_counter()
+        try:
+            return self._prepared(batch, epoch, number)
+        finally:
+            self.preparing_s += time.perf_counter() - started
+
+    def _prepared(self, batch: Batch, epoch: int, number: int) -> Batch:
         extras: list[Any] = []
         if isinstance(batch, dict):  # make_loader(fields=...): {"image", "label", <fields>}
             images, labels = batch["image"], batch["label"]

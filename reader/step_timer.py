@@ -9,7 +9,10 @@ Data wait is the time spent inside the iterator's ``next()``; compute is the tim
 handed over to the next ``next()``. With ``sync=True`` and CUDA in use, the consumer's current stream
 is synchronized at both boundaries, so GPU work queued by the step counts as compute and a batch still
 being copied when handed over counts as data wait. Only the current stream is synchronized, never the
-whole device: a prefetcher's side stream copying the *next* batch keeps overlapping. The first
+whole device: a prefetcher's side stream copying the *next* batch keeps overlapping. Time an iterable
+spends preparing batches in the training thread itself (its ``preparing_s`` counter: a
+``CUDAPrefetcher`` without CUDA normalizes and augments on the CPU there) is kept apart as
+preparation, not charged to the loader: more loader workers would not shorten it. The first
 ``warmup_steps`` steps of the timer's life (worker start-up, CUDA and cuDNN initialisation) are
 recorded but left out of the figures.
 """
@@ -26,20 +29,23 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class StepTime:
-    """One step: its number (0-based, counting warm-up steps), data wait and compute in seconds."""
+    """One step: its number (0-based, counting warm-up steps), data wait, compute and the wrapped
+    iterable's own preparation of the batch (``preparing_s``) in seconds."""
 
     step: int
     data_wait_s: float
     compute_s: float
+    preparing_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.data_wait_s + self.compute_s
+        return self.data_wait_s + self.compute_s + self.preparing_s
 
 
 @dataclass(frozen=True)
 class StepTimerSummary:
-    """Figures over the measured (post warm-up) steps; ``wait_share`` is data wait / total time."""
+    """Figures over the measured (post warm-up) steps; ``wait_share`` is data wait / total time,
+    ``preparing_share`` the iterable's own preparation in the training thread / total time."""
 
     steps: int
     warmup_steps: int
@@ -50,6 +56,8 @@ class StepTimerSummary:
     images_per_s: float
     slowest_steps: tuple[StepTime, ...]
     hint_threshold: float
+    preparing_s: float = 0.0
+    preparing_share: float = 0.0
 
     @property
     def loader_bound(self) -> bool:
@@ -60,18 +68,27 @@ class StepTimerSummary:
         """A few lines for a human: the split, the throughput, the slowest steps and what to try."""
         if self.steps == 0:
             return f"StepTimer: no steps measured yet ({self.warmup_steps} warm-up step(s) are skipped)"
-        total = self.data_wait_s + self.compute_s
+        total = self.data_wait_s + self.compute_s + self.preparing_s
         lines = [
             f"{self.steps} steps, {self.images} images in {total:.2f} s "
             f"(after {self.warmup_steps} warm-up step(s)): {self.images_per_s:,.0f} images/s",
             f"data wait {self.data_wait_s:.2f} s ({self.wait_share:.1%}), compute {self.compute_s:.2f} s "
-            f"({1 - self.wait_share:.1%}); per step {1000 * self.data_wait_s / self.steps:.1f} ms wait, "
+            f"({self.compute_s / total:.1%}); per step {1000 * self.data_wait_s / self.steps:.1f} ms wait, "
             f"{1000 * self.compute_s / self.steps:.1f} ms compute",
             "slowest steps: "
             + ", ".join(
                 f"#{s.step} {1000 * s.total_s:.1f} ms ({1000 * s.data_wait_s:.1f} ms wait)" for s in self.slowest_steps
             ),
         ]
+        if self.preparing_s > 0:
+            lines.insert(2, f"batch preparation in the training thread (the prefetcher's copy, normalization and "
+                            f"augmentation) {self.preparing_s:.2f} s ({self.preparing_share:.1%})")
+        if self.preparing_share > self.hint_threshold:
+            lines.append(
+                f"hint: preparing batches in the training thread takes {self.preparing_share:.0%} of the time: "
+                "without CUDA, CUDAPrefetcher normalizes and augments on the CPU there, which loader workers "
+                "cannot speed up; train on a GPU, or augment less on the CPU."
+            )
         if self.loader_bound:
             lines.append(
                 f"hint: the loader is the bottleneck ({self.wait_share:.0%} of the time waits for data). Try more "
@@ -111,7 +128,7 @@ class StepTimer:
     def wrap(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield the items of ``iterable`` unchanged, timing the wait for each and the work between them."""
         iterator = iter(iterable)
-        pending: tuple[float, int] | None = None  # (data wait, images) of the step now computing
+        pending: tuple[float, int, float] | None = None  # (data wait, images, preparing) of the step computing
         handed_over = 0.0
         try:
             while True:
@@ -119,12 +136,14 @@ class StepTimer:
                 if pending is not None:
                     self._record(*pending, asked - handed_over)
                     pending = None
+                prepared = _preparing_s(iterable)
                 try:
                     batch = next(iterator)
                 except StopIteration:
                     return
                 handed_over = self._now()
-                pending = (handed_over - asked, len(batch[0]))  # type: ignore[index]
+                preparing = _preparing_s(iterable) - prepared
+                pending = (handed_over - asked - preparing, len(batch[0]), preparing)  # type: ignore[index]
                 yield batch
         finally:
             if pending is not None:
@@ -136,7 +155,8 @@ class StepTimer:
         images = sum(self._images[self.warmup_steps :])
         wait = sum(s.data_wait_s for s in steps)
         compute = sum(s.compute_s for s in steps)
-        total = wait + compute
+        preparing = sum(s.preparing_s for s in steps)
+        total = wait + compute + preparing
         return StepTimerSummary(
             steps=len(steps),
             warmup_steps=min(self.warmup_steps, len(self._steps)),
@@ -147,14 +167,16 @@ class StepTimer:
             images_per_s=images / total if total > 0 else 0.0,
             slowest_steps=tuple(sorted(steps, key=lambda s: s.total_s, reverse=True)[: self.slowest]),
             hint_threshold=self.hint_threshold,
+            preparing_s=preparing,
+            preparing_share=preparing / total if total > 0 else 0.0,
         )
 
     def report(self) -> str:
         """``summary().report()``."""
         return self.summary().report()
 
-    def _record(self, data_wait_s: float, images: int, compute_s: float) -> None:
-        self._steps.append(StepTime(len(self._steps), data_wait_s, compute_s))
+    def _record(self, data_wait_s: float, images: int, preparing_s: float, compute_s: float) -> None:
+        self._steps.append(StepTime(len(self._steps), data_wait_s, compute_s, preparing_s))
         self._images.append(images)
 
     def _now(self) -> float:
@@ -162,3 +184,9 @@ class StepTimer:
         if self.sync and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()
         return time.perf_counter()
+
+
+def _preparing_s(iterable: object) -> float:
+    """The iterable's own preparation time so far (``CUDAPrefetcher.preparing_s``), else 0."""
+    value = getattr(iterable, "preparing_s", 0.0)
+    return value if isinstance(value, float) else 0.0

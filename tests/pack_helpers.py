@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -95,3 +96,47 @@ def kill_a_writer(dst: Path, killed: list[str], deadline: float) -> None:
                 killed.append(command)
                 return
         time.sleep(0.002)
+
+
+KILL_EVENTS = ("shard", "part", "any")
+
+
+def kill_a_worker(pack: subprocess.Popen, dst: Path, event: str, delay: float, deadline: float) -> int | None:
+    """SIGKILL one worker process of the running ``pack`` (a ``packer pack --workers N`` command) at a
+    file-system event in ``dst``, ``delay`` seconds after it: ``"shard"`` once a shard is being written
+    (the worker writing it is killed), ``"part"`` once a partition's part record is saved (the worker
+    is sending it or starting its next partition), ``"any"`` once the workers exist. Returns the killed
+    pid, or None when the pack ended (or ``deadline`` passed) first."""
+    while pack.poll() is None and time.monotonic() < deadline:
+        names = os.listdir(dst) if dst.is_dir() else []
+        shards = [dst / name for name in names if "-shard-" in name and name.endswith(".tmp")]
+        parts = [name for name in names if name.startswith(".part-") and name.endswith(".json")]
+        workers = children_of(pack.pid)
+        if workers and {"shard": shards, "part": parts, "any": workers}[event]:
+            time.sleep(delay)
+            writers = [pid for pid in workers if _holds(pid, shards)]
+            victim = (writers or workers)[0]
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            return victim
+        time.sleep(0.001)
+    return None
+
+
+def children_of(pid: int) -> list[int]:
+    """The child processes of ``pid`` (its workers), from ``/proc``."""
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _holds(pid: int, paths: list[Path]) -> bool:
+    """Whether process ``pid`` has one of ``paths`` open."""
+    wanted = {str(path.resolve()) for path in paths}
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") in wanted for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import PIL
 import pytest
 import torch
 from click.testing import CliRunner
@@ -205,3 +206,21 @@ def test_appending_to_a_read_only_dataset_is_one_line_and_leaves_it_as_it_was(
     assert len(PackedDataset(dst)) == 2
     read_only(False)
     assert packer.append(second, dst, workers=0, progress=False).num_records == 4
+
+
+def test_an_append_whose_resampler_differs_is_refused_before_packing_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataset resized by pillow-simd; then plain Pillow replaces it (as ``pip install torchvision``
+    does): the append says which library resizes here and which resized the dataset, and packs nothing."""
+    first = folder(tmp_path / "a", {"cat": 2}, seed=1)
+    monkeypatch.setattr(PIL, "__version__", "12.1.1.post0")  # pillow-simd, as packer.resampling tells it
+    packer.pack(first, tmp_path / "ds", resize=12, resampler="pil", workers=0, progress=False)
+    before = sorted(os.listdir(tmp_path / "ds"))
+    monkeypatch.setattr(PIL, "__version__", "12.1.1")  # plain Pillow
+    more = folder(tmp_path / "b", {"dog": 2}, seed=2)
+    with pytest.raises(PackError, match=r"ds: was resized by pillow-simd 12\.1\.1\.post0 \(pil resampler\), but here "
+                                        r"that resampler is Pillow 12\.1\.1: the appended images would not be "
+                                        r"resized the same way; append with the same install"):
+        packer.append(more, tmp_path / "ds", workers=0, progress=False)
+    assert sorted(os.listdir(tmp_path / "ds")) == before  # no .append-0001/

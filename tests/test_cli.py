@@ -53,6 +53,15 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path, make_image_folder
     assert err == f"Error: {src / 'cat' / 'broken.png'}: not an image, or an unsupported image format\n"
 
 
+def test_a_destination_that_cannot_be_created_is_one_line(
+    tmp_path: Path, make_image_folder: Callable[..., Path]
+) -> None:
+    src = make_image_folder(tmp_path / "src", per_class=1)
+    code, _, err = run("pack", src, "/proc/x", "--workers", "0", "--quiet")
+    assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("Error: /proc/x: cannot ")  # create (as root) or write (as a user) the dataset
+
+
 def test_skip_prints_a_summary(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
     src = make_image_folder(tmp_path / "src", per_class=1)
     (src / "cat" / "broken.png").write_text("not a png")
@@ -121,6 +130,7 @@ def test_image_sizes_and_bad_values() -> None:
         (["pack", ".", "out", "--part", "half"], "Invalid value for '--part': --part 'half': expected I/N"),
         (["pack", ".", "out", "--workers", "many"], "Invalid value for '--workers': 'many' is not a valid integer"),
         (["pack", ".", "out", "--quality", "101"], "Invalid value for '--quality': 101 is not in the range 1<=x<=100"),
+        (["pack", ".", "out", "--quality", "50"], "Error: --quality sets the JPEG quality: it needs --encoding jpeg"),
     ],
 )
 def test_bad_option_values_are_usage_errors(args: list[str], message: str) -> None:
@@ -142,3 +152,15 @@ def test_show_takes_negative_indices_and_names_one_out_of_range(tmp_path: Path) 
     code, out, err = run("show", fixture, "-6", "--out", tmp_path / "none")
     assert code == 1 and err == f"Error: {fixture}: index -6 is out of range for 5 records\n"
     assert not (tmp_path / "none").exists()
+
+
+def test_an_old_pack_inside_src_is_left_out_with_a_note(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
+    src = make_image_folder(tmp_path / "src", per_class=2)
+    assert run("pack", src, tmp_path / "old", "--workers", "0", "--quiet")[0] == 0
+    (tmp_path / "old").rename(src / "packed")  # e.g. packed into SRC/packed on an earlier day
+    code, out, _ = run("pack", src, tmp_path / "out", "--workers", "0", "--quiet")
+    assert code == 0
+    assert out.splitlines()[1:] == [
+        "skipped 1 files:", "  packed: a packed dataset (it holds manifest.json), not a class folder: left out"]
+    manifest = load_manifest(tmp_path / "out")
+    assert manifest.classes == ["cat", "dog"] and manifest.num_records == 4

@@ -12,6 +12,7 @@ from PIL import Image
 
 import reader.gpu_dataset as gpu_dataset
 from reader.gpu_dataset import GPUDataset
+from reader.prefetcher import CUDAPrefetcher
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -285,3 +286,16 @@ def test_a_corrupted_state_is_refused_naming_the_entry(
     assert resident.state_dict() == {"epoch": 0, "batches": 0, "seed": 3}
     with pytest.raises(TypeError, match=r"^epoch must be an int, got 'a'$"):
         resident.set_epoch("a")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("make", ["prefetcher", "gpu_dataset"])
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0)])
+def test_cuda_without_cuda_is_one_clear_line(images: torch.Tensor, make: str, device: object) -> None:
+    message = (rf"^device '{device}': torch sees 0 CUDA devices \(torch .+\); pass device=None \(CUDA when "
+               r"present, else CPU\) or 'cpu', or install a CUDA build of torch$")
+    with pytest.raises(RuntimeError, match=message):
+        if make == "prefetcher":
+            CUDAPrefetcher([], device=device)
+        else:
+            GPUDataset(FakePackedDataset(images, [3, 12, 14]), device, batch_size=4)

@@ -207,3 +207,29 @@ def test_state_from_a_dataset_of_another_size_is_refused(raw_path):
                                          f"{COUNT - 3}$"):
         smaller.load_state_dict(state)
     assert len(smaller) == -(-(COUNT - 3) // BATCH), "the refused state left the loader as it was"
+
+
+class Flipped(PackedDataset):
+    """A user's subclass that changes what an item is: make_loader would never call this."""
+
+    def __getitem__(self, index):
+        image, label = super().__getitem__(index)
+        return image.flip(-1), label
+
+
+class Batched(PackedDataset):
+    def __getitems__(self, indices):
+        return [(image.flip(-1), label) for image, label in super().__getitems__(indices)]
+
+
+@pytest.mark.parametrize("cls, methods", [(Flipped, "__getitem__"), (Batched, "__getitems__")])
+@pytest.mark.parametrize("wrap", ["plain", "subset", "concat"])
+def test_a_subclass_that_reads_its_own_way_is_refused(raw_path, cls, methods, wrap):
+    ds = cls(raw_path)
+    given = {"plain": ds, "subset": torch.utils.data.Subset(ds, range(5)),
+             "concat": torch.utils.data.ConcatDataset([PackedDataset(raw_path), ds])}[wrap]
+    with pytest.raises(TypeError, match=f"^make_loader reads the records of {cls.__name__} with "
+                                        rf"PackedDataset\.read_batch, so its own {methods} would never run; give it "
+                                        "to a plain torch DataLoader instead, or apply that code to make_loader's "
+                                        "batches$"):
+        make_loader(given, BATCH, num_workers=0)

@@ -3,6 +3,8 @@ records as the same files packed from a folder, deterministically, with fields; 
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from typing import Callable
@@ -61,8 +63,22 @@ def test_the_bytes_do_not_depend_on_the_worker_count(tmp_path: Path, make_image_
     assert PackedDataset(tmp_path / "w2").fields(5) == {"weight": 5.0}
 
 
-def test_a_webdataset_style_tar_stream_packs_with_its_fields(tmp_path: Path) -> None:
-    """docs/packing.md's tar example: ``NAME.jpg`` + ``NAME.cls`` members read in order with ``tarfile``."""
+def samples(tar_file):  # type: ignore[no-untyped-def]
+    """docs/packing.md's tar example as it should read: a path, or a pipe such as ``sys.stdin.buffer``."""
+    opened = {"fileobj": tar_file} if hasattr(tar_file, "read") else {"name": tar_file}
+    with tarfile.open(mode="r|*", **opened) as tar:     # one pass: works on a stream
+        for member in tar:                              # NAME.jpg, then NAME.cls (sorted by name)
+            data = tar.extractfile(member).read()
+            if member.name.endswith(".jpg"):
+                image, source = data, member.name
+            elif member.name.endswith(".cls"):
+                yield {"image": image, "label": int(data), "source": source}
+
+
+@pytest.mark.parametrize("via", ["path", "pipe"])
+def test_a_webdataset_style_tar_stream_packs_with_its_fields(tmp_path: Path, via: str) -> None:
+    """docs/packing.md's tar example: ``NAME.jpg`` + ``NAME.cls`` members read in one pass with ``tarfile``,
+    from a file or from a pipe (which allows no seeking back)."""
     shard = tmp_path / "shard-000.tar"
     with tarfile.open(shard, "w") as tar:
         for k in range(4):
@@ -73,14 +89,12 @@ def test_a_webdataset_style_tar_stream_packs_with_its_fields(tmp_path: Path) -> 
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
 
-    def samples():
-        with tarfile.open(shard) as tar:
-            members = iter(tar)
-            for image, cls in zip(members, members):
-                yield {"image": tar.extractfile(image).read(), "label": int(tar.extractfile(cls).read()),
-                       "source": image.name}
-
-    manifest = packer.pack_items(samples(), tmp_path / "out", workers=0, progress=False)
+    with subprocess.Popen(["cat", str(shard)], stdout=subprocess.PIPE) as cat:
+        assert cat.stdout is not None
+        source = shard if via == "path" else cat.stdout
+        manifest = packer.pack_items(samples(source), tmp_path / "out", workers=0, progress=False)
+        cat.stdout.read()
+        cat.wait(timeout=30)
     ds = PackedDataset(tmp_path / "out")
     assert manifest.classes == ["0", "1"] and [ds[k][1] for k in range(4)] == [0, 1, 0, 1]
     assert ds.source(2) == "sample002.jpg" and abs(int(ds[2][0].float().mean()) - 80) <= 2
@@ -127,3 +141,19 @@ def test_every_item_skipped_is_one_line_naming_pack_items(tmp_path: Path) -> Non
         packer.pack_items([{"image": b"not an image"}, {"image": b"nor this"}], tmp_path / "out", workers=0,
                           progress=False, on_error="skip")
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_an_error_raised_by_the_items_while_workers_wait_is_raised_at_once(tmp_path: Path) -> None:
+    """The items fail after the first partition went to a worker: the error comes back as itself, and
+    the two idle workers end at once (they once waited for their end marker, 60 s each)."""
+    script = f"""
+import numpy as np, packer
+def items():
+    yield {{"image": np.zeros((8, 8, 3), np.uint8), "label": 0}}
+    raise ValueError("the stream broke")
+packer.pack_items(items(), {str(tmp_path / "out")!r}, workers=2, partition_size=1, progress=False)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=40)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == "ValueError: the stream broke"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []

@@ -256,3 +256,31 @@ def test_a_csv_column_of_integers_is_int_unless_declared_text(tmp_path: Path, de
     packer.pack(src, tmp_path / "out", labels=src / "labels.csv", fields=declared, workers=0, progress=False)
     ds = PackedDataset(tmp_path / "out")
     assert [ds.fields(k)["id"] for k in range(4)] == expected
+
+
+@pytest.mark.parametrize("name", ["labels.jsonl", "labels.csv"])
+def test_a_labels_field_declared_without_classes_takes_the_names_in_the_file(tmp_path: Path, name: str) -> None:
+    """The README's ``--field tags:labels``: class names get their classes from the file (sorted), as an
+    inferred field's do; integers stay integer labels."""
+    tags = [["outdoor", "cat"], ["cat"], []]
+    if name.endswith(".jsonl"):
+        lines = [json.dumps({"path": f"{k}.png", "label": "a", "tags": t}) for k, t in enumerate(tags)]
+    else:
+        lines = ["path,label,tags"] + [f'{k}.png,a,"{json.dumps(t).replace(chr(34), chr(34) * 2)}"'
+                                       for k, t in enumerate(tags)]
+    src = _csv_source(tmp_path, lines)
+    (src / "labels.csv").rename(src / name)
+    result = CliRunner().invoke(main, ["pack", str(src), str(tmp_path / "out"), "--labels", str(src / name),
+                                       "--workers", "0", "--quiet", "--field", "tags:labels"])
+    assert result.exit_code == 0, result.output
+    ds = PackedDataset(tmp_path / "out")
+    assert ds.manifest.fields == [FieldSpec("tags", "labels", classes=("cat", "outdoor"))]
+    assert [ds.fields(k)["tags"] for k in range(3)] == tags
+
+
+def test_class_names_for_a_labels_field_of_items_without_classes_say_what_to_declare(tmp_path: Path) -> None:
+    items = [{"image": np.zeros((4, 4, 3), np.uint8), "tags": ["cat"]}]
+    with pytest.raises(PackError, match=r"^item 0 \(item-0\): field 'tags': got the class name 'cat', but the field "
+                                        r"has no class list: declare one \(tags:labels:A,B,\.\.\.\), or give integer "
+                                        r"labels$"):
+        packer.pack_items(items, tmp_path / "out", fields={"tags": "labels"}, workers=0, progress=False)

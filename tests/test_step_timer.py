@@ -7,6 +7,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from reader.augment import BatchAugment
 from reader.prefetcher import CUDAPrefetcher
 from reader.step_timer import StepTimer, StepTimerSummary
 
@@ -89,3 +90,25 @@ def test_cuda_kernel_time_counts_as_compute() -> None:
             weight = torch.tanh(weight @ weight)
     summary = timer.summary()
     assert summary.wait_share < 0.3, "asynchronous GPU work is attributed to the step that queued it"
+
+
+class SlowAugment(BatchAugment):
+    """A CPU augmentation that takes ``SLEEP_S`` a batch (heavy crops on big images, say)."""
+
+    def __call__(self, images, generator=None):  # type: ignore[no-untyped-def]
+        time.sleep(SLEEP_S)
+        return super().__call__(images, generator)
+
+
+def test_a_prefetchers_cpu_augmentation_is_preparation_not_loader_wait() -> None:
+    """Without CUDA the prefetcher augments in the training thread: a fast loader must not be blamed."""
+    prefetcher = CUDAPrefetcher(list(batches(6)), augment=SlowAugment((0.5,) * 3, (0.5,) * 3), device="cpu")
+    timer = StepTimer()
+    for _ in timer.wrap(prefetcher):
+        pass
+    summary = timer.summary()
+    assert summary.steps == 5 and summary.preparing_s >= 4 * SLEEP_S * 0.9
+    assert summary.preparing_share > 0.7 and summary.wait_share < 0.3 and not summary.loader_bound
+    report = summary.report()
+    assert "hint: the loader is the bottleneck" not in report
+    assert "hint: preparing batches in the training thread takes" in report and "CPU" in report

@@ -130,6 +130,9 @@ class FieldSpec:
         items = _list(value, "labels")
         if self.classes is None:
             for item in items:
+                if isinstance(item, str):
+                    raise ValueError(f"got the class name {_shown(item)}, but the field has no class list: declare "
+                                     f"one ({self.name}:labels:A,B,...), or give integer labels")
                 if isinstance(item, bool) or not isinstance(item, int) or item < 0:
                     raise ValueError(f"expected a list of non-negative integer labels, got {_shown(item)}")
                 if item >= 1 << 63:

@@ -18,7 +18,8 @@ from reader.format.manifest_schema import check_manifest_data
 
 FORMAT_NAME = "packed-images"
 FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # 1: no source paths, no fields, every record labelled; 1-2: one LMDB value per record, no manifest checksum
+# version 1: no source paths, no fields, every record labelled; 1-2: one LMDB value per record, no manifest checksum
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
