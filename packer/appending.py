@@ -38,9 +38,10 @@ from packer.joining import reconciled_classes
 from packer.journal import plan_fingerprint
 from packer.labels_file import read_label_rows
 from packer.locking import writer_lock
+from packer.options import DEFAULT_SHARD_SIZE, PackOptions
 from packer.packing import pack
 from packer.sources import is_class_index, reads_as_indices, scan_source
-from packer.transforms import DEFAULT_MAX_FILE_BYTES, TransformSpec
+from packer.transforms import DEFAULT_MAX_FILE_BYTES
 from packer.version import __version__
 from reader.format import MANIFEST_NAME, FormatError, Manifest, ShardInfo, load_manifest
 from reader.format.durable import fsync_directory
@@ -58,7 +59,7 @@ def append(
     label_kind: str = "auto",
     workers: int | None = None,
     on_error: str = "fail",
-    shard_size: int = 512 << 20,
+    shard_size: int = DEFAULT_SHARD_SIZE,
     progress: bool = True,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> Manifest:
@@ -141,13 +142,10 @@ def _remove_leftovers(dst: Path, manifest: Manifest, staging: Path | None = None
     fsync_directory(dst)
 
 
-def _pack_staged(src: str | os.PathLike, staging: Path, old: Manifest, **options: Any) -> None:
+def _pack_staged(src: str | os.PathLike, staging: Path, old: Manifest, shard_size: int, **options: Any) -> None:
     """Pack ``src`` into ``staging`` with ``old``'s settings and classes first."""
-    spec = TransformSpec.from_description(old.transform)
-    pack(src, staging, storage=old.storage, resize=spec.resize, crop=spec.crop, encoding=old.encoding,
-         quality=old.jpeg_quality or 90, resampler=spec.resampler,
-         max_pixels=old.transform.get("max_pixels", spec.max_pixels),
-         fields={field.name: field for field in old.fields}, base_classes=old.classes, **options)
+    pack(src, staging, PackOptions.from_manifest(old, shard_size), fields={field.name: field for field in old.fields},
+         base_classes=old.classes, **options)
 
 
 def _check_transform_here(dst: Path, old: Manifest) -> None:
@@ -155,13 +153,12 @@ def _check_transform_here(dst: Path, old: Manifest) -> None:
     pre-transform exactly (the staged dataset's would then differ, and joining it would be refused
     after the whole pack): above all a resize by another library than the dataset's (plain Pillow
     where the dataset was resized by pillow-simd, or another torch version), which shifts pixels."""
-    spec = TransformSpec.from_description(old.transform)
-    here = dataclasses.replace(spec, encoding=old.encoding,
-                               max_pixels=old.transform.get("max_pixels", spec.max_pixels)).describe()
+    here = PackOptions.from_manifest(old).transform.describe()
     differing = sorted(k for k in set(here) | set(old.transform) if here.get(k) != old.transform.get(k))
     if "resampler_library" in differing:
         raise PackError(
-            f"{dst}: was resized by {old.transform.get('resampler_library')} ({spec.resampler} resampler), but here "
+            f"{dst}: was resized by {old.transform.get('resampler_library')} "
+            f"({old.transform.get('resampler')} resampler), but here "
             f"that resampler is {here['resampler_library']}: the appended images would not be resized the same "
             "way; append with the same install (scripts/setup_env reinstalls pillow-simd), or pack a new dataset")
     if differing:

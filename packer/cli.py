@@ -23,13 +23,14 @@ from packer.inspection import DatasetInfo, class_counts, describe_transform, inf
 from packer.joining import join_datasets
 from packer.labels_file import declare_field
 from packer.merging import merge_parts
+from packer.options import PackOptions
 from packer.packing import ON_ERROR, pack
 from packer.partitions import Part, parse_part
 from packer.ray_runner import ray_runner
 from packer.resampling import RESAMPLERS
 from packer.showing import show
 from packer.sources import LABEL_KINDS
-from packer.transforms import DEFAULT_MAX_PIXELS, TransformSpec
+from packer.transforms import TransformSpec
 from packer.verification import verify
 from packer.version import __version__
 from reader.format import ENCODINGS, MANIFEST_NAME, STORAGES, FormatError, Manifest, load_manifest
@@ -168,23 +169,24 @@ def main() -> None:
 @click.option("--field", "fields", type=FieldDeclaration(), multiple=True,
               help="Declare a labels-file field's type instead of inferring it: NAME:int|float|str|labels|boxes, "
               "NAME:vector:LENGTH, NAME:labels:CLASS,CLASS,... (repeatable).")
-@click.option("--format", "storage", type=click.Choice(STORAGES), default="lmdb", show_default=True,
+@click.option("--format", "storage", type=click.Choice(STORAGES), default=PackOptions.storage, show_default=True,
               help="Shard container.")
 @click.option("--resize", type=ImageSize(), help="Shorter side to N (aspect kept), or exactly WxH.")
 @click.option("--crop", type=ImageSize(), help="Center crop to N x N or WxH, after the resize.")
-@click.option("--encoding", type=click.Choice(ENCODINGS), default="raw", show_default=True,
+@click.option("--encoding", type=click.Choice(ENCODINGS), default=PackOptions.encoding, show_default=True,
               help="raw: uint8 CHW pixels; jpeg: baseline JPEG.")
-@click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True,
+@click.option("--quality", type=click.IntRange(1, 100), default=PackOptions.quality, show_default=True,
               help="JPEG quality (only with --encoding jpeg).")
-@click.option("--shard-size", type=ByteSize(), default="512MiB", show_default=True,
+@click.option("--shard-size", type=ByteSize(), default=PackOptions.shard_size, show_default="512MiB",
               help="Payload bytes per shard, e.g. 512MB or 1GiB.")
 @click.option("--workers", type=click.IntRange(min=0), help="Processes [default: all cores; 0 = in-process].")
 @click.option("--on-error", type=click.Choice(ON_ERROR), default="fail", show_default=True,
               help="fail: stop at the first unreadable image; skip: leave it out and list it.")
 @click.option("--force", is_flag=True, help="Overwrite a finished dataset, or pack into a non-empty DST.")
-@click.option("--max-pixels", type=click.IntRange(min=1), default=DEFAULT_MAX_PIXELS, show_default=True,
+@click.option("--max-pixels", type=click.IntRange(min=1), default=PackOptions.max_pixels, show_default=True,
               help="Images with more pixels are refused as decompression bombs.")
-@click.option("--max-file-size", "max_file_bytes", type=ByteSize(), default="1GiB", show_default=True,
+@click.option("--max-file-size", "max_file_bytes", type=ByteSize(), default=PackOptions.max_file_bytes,
+              show_default="1GiB",
               help="Source files larger than this are refused (a per-file error).")
 @click.option("--label-kind", type=click.Choice(LABEL_KINDS), default="auto", show_default=True,
               help="CSV labels: index (integers 0..N-1), name (class names), auto (refuses a mix).")
@@ -219,11 +221,11 @@ def pack_command(src: Path, dst: Path, labels: Path | None, fields: tuple[FieldS
     repeated = [name for name in names if names.count(name) > 1]
     if repeated:
         raise click.BadParameter(f"field {repeated[0]!r} is declared twice", param_hint="'--field'")
-    manifest = pack(src, dst, labels=labels, storage=storage, resize=resize, crop=crop,
-                    encoding=encoding, quality=quality, shard_size=shard_size, workers=workers,
-                    on_error=on_error, force=force, progress=not quiet, max_pixels=max_pixels,
-                    max_file_bytes=max_file_bytes, label_kind=label_kind,
-                    partitions=partitions, part=part, resampler=resampler,
+    options = PackOptions(storage=storage, resize=resize, crop=crop, encoding=encoding, quality=quality,
+                          shard_size=shard_size, max_pixels=max_pixels, max_file_bytes=max_file_bytes,
+                          resampler=resampler)
+    manifest = pack(src, dst, options, labels=labels, workers=workers, on_error=on_error, force=force,
+                    progress=not quiet, label_kind=label_kind, partitions=partitions, part=part,
                     fields={field.name: field for field in fields},
                     runner=None if ray_address is None else ray_runner(ray_address, workers or None))
     if manifest is None:

@@ -33,15 +33,14 @@ from packer.cleanup import cleaned_up_on_failure
 from packer.destination import check_destination, remove_own_files
 from packer.errors import PackError
 from packer.journal import PlanRecord
-from packer.labels_file import declare_field
+from packer.labels_file import declared_fields
 from packer.locking import claimed_destination
 from packer.merging import write_manifest
-from packer.packing import check_options, transform_spec, worker_count
+from packer.options import PackOptions
+from packer.packing import check_on_error, worker_count
 from packer.partitions import Partition
 from packer.pipeline import PackSettings, PartitionTask, pack_partitions
 from packer.sources import display_name
-from packer.transforms import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
-from packer.version import __version__
 from reader.format import Manifest
 from reader.format.fields import FieldSpec, infer_spec
 
@@ -52,52 +51,40 @@ _RESERVED = ("image", "label", "source")
 def pack_items(
     items: Iterable[Mapping[str, Any]],
     dst: str | os.PathLike,
+    options: PackOptions | None = None,
     *,
-    storage: str = "lmdb",
-    resize: int | tuple[int, int] | None = None,
-    crop: int | tuple[int, int] | None = None,
-    encoding: str = "raw",
-    quality: int = 90,
-    shard_size: int = 512 << 20,
     workers: int | None = None,
     classes: list[str] | None = None,
     fields: Mapping[str, str | FieldSpec] | None = None,
     on_error: str = "fail",
     force: bool = False,
     progress: bool = True,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-    resampler: str | None = None,
     partition_size: int = DEFAULT_PARTITION_SIZE,
+    **settings: Any,
 ) -> Manifest:
     """Pack ``items`` (module docstring) into the dataset directory ``dst``; returns its manifest.
 
-    The options mean what they mean for ``packer.pack``; sizes are ``(height, width)``.
+    ``options`` and the keywords named like its fields mean what they mean for ``packer.pack``.
     """
-    spec = transform_spec(resize, crop, encoding, quality, max_pixels, DEFAULT_MAX_FILE_BYTES, resampler)
-    check_options(storage, shard_size, on_error)
+    options = PackOptions.of(options, settings, "pack_items")
+    check_on_error(on_error)
     if partition_size < 1:
         raise PackError(f"partition_size must be positive, got {partition_size}")
-    declared = {name: f if isinstance(f, FieldSpec) else declare_field(f"{name}:{f}")
-                for name, f in (fields or {}).items()}
+    declared = declared_fields(fields)
     dst = Path(dst)
     check_destination(dst, force)
     planner = _Planner(classes, declared)
     with claimed_destination(dst, force), cleaned_up_on_failure(dst, None):
         remove_own_files(dst)  # nothing resumes: a dataset overwritten with force goes, its manifest first
-        settings = PackSettings(dst, Path("/"), storage, shard_size, spec, on_error, "items")
+        worker_settings = PackSettings(dst, Path("/"), options.storage, options.shard_size, options.transform,
+                                       on_error, "items")
         with tqdm(unit="img", disable=not progress, desc="pack items") as bar:
-            tasks = planner.tasks(items, settings, partition_size)
+            tasks = planner.tasks(items, worker_settings, partition_size)
             records = pack_partitions(tasks, worker_count(workers), bar.update)
         if not records:
             raise PackError("pack_items: no items to pack")
-        fixed = spec.fixed_size
-        manifest = {
-            "storage": storage, "encoding": spec.encoding, "shape": None if fixed is None else [3, *fixed],
-            "classes": planner.classes, "transform": spec.describe(),
-            "source": {"kind": "items", "root": None, "files": planner.count}, "tool_version": __version__,
-            "jpeg_quality": spec.quality if spec.encoding == "jpeg" else None,
-            "fields": [f.to_json() for f in planner.fields or []], "labelled": bool(planner.labelled),
-        }
+        manifest = options.manifest_draft(planner.classes, {"kind": "items", "root": None, "files": planner.count},
+                                          [f.to_json() for f in planner.fields or []], bool(planner.labelled))
         partitions = [r.partition for r in records]
         return write_manifest(dst, PlanRecord("items", partitions, manifest, []), records)
 

@@ -41,6 +41,18 @@ class LabelRow:
     values: dict[str, Any] = field(default_factory=dict)
 
 
+def declared_fields(fields: Mapping[str, str | FieldSpec] | None) -> dict[str, FieldSpec]:
+    """``pack``'s ``fields`` argument as ``FieldSpec``s by name: each value a ``FieldSpec`` or a declaration
+    (``"vector:128"``, ``"labels:A,B"``) of the field under its key, which must be the field's name."""
+    declared = {name: f if isinstance(f, FieldSpec) else declare_field(f"{name}:{f}")
+                for name, f in (fields or {}).items()}
+    misnamed = [(name, f.name) for name, f in declared.items() if f.name != name]
+    if misnamed:
+        raise PackError(f"fields: the key {misnamed[0][0]!r} holds a FieldSpec named {misnamed[0][1]!r} "
+                        "(a field's key is its name)")
+    return declared
+
+
 def declare_field(text: str) -> FieldSpec:
     """``name:type``, ``name:vector:LENGTH`` or ``name:labels:CLASS,CLASS,...`` as a ``FieldSpec``."""
     name, _, rest = text.partition(":")

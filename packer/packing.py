@@ -10,7 +10,6 @@ partitions is packed, and ``merge_parts`` writes the manifest once every task is
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -29,16 +28,15 @@ from packer.destination import (
 )
 from packer.errors import PackError
 from packer.journal import PartRecord, PlanRecord, part_problem, plan_fingerprint
-from packer.labels_file import declare_field
+from packer.labels_file import declared_fields
 from packer.locking import claimed_destination
 from packer.merging import write_manifest
+from packer.options import PackOptions
 from packer.partitions import Part, Partition, cut, default_partition_count, expected_record_bytes, parse_part
 from packer.pipeline import PackSettings, PartitionTask, pack_partitions
-from packer.resampling import default_resampler
 from packer.sources import Plan, class_name, scan_source
-from packer.transforms import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS, TransformSpec
 from packer.version import __version__
-from reader.format import FORMAT_VERSION, MANIFEST_NAME, STORAGES, Manifest
+from reader.format import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from reader.format.fields import FieldSpec
 
 ON_ERROR = ("fail", "skip")
@@ -49,39 +47,32 @@ Runner = Callable[[list[PartitionTask], Callable[[int], Any]], list[PartRecord]]
 def pack(
     src: str | os.PathLike,
     dst: str | os.PathLike,
+    options: PackOptions | None = None,
     *,
     labels: str | os.PathLike | None = None,
-    storage: str = "lmdb",
-    resize: int | tuple[int, int] | None = None,
-    crop: int | tuple[int, int] | None = None,
-    encoding: str = "raw",
-    quality: int = 90,
-    shard_size: int = 512 << 20,
     workers: int | None = None,
     on_error: str = "fail",
     force: bool = False,
     progress: bool = True,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     label_kind: str = "auto",
     partitions: int | None = None,
     part: Part | str | None = None,
-    resampler: str | None = None,
     runner: Runner | None = None,
     fields: Mapping[str, str | FieldSpec] | None = None,
     base_classes: Sequence[str] = (),
+    **settings: Any,
 ) -> Manifest | None:
     """Pack the images under ``src`` into the dataset directory ``dst`` and return its manifest.
 
     ``src`` is an ImageFolder tree (one sub-folder per class), or the root the ``labels`` CSV
-    (``path,label`` rows) is relative to. ``resize`` and ``crop`` take an int (shorter side / square) or
-    ``(height, width)`` as torchvision (the CLI's ``WxH`` is width first); see ``packer.transforms``
-    for the exact pre-transform. ``shard_size`` bounds each shard's payload bytes. ``workers`` defaults
-    to every core; 0 or 1 packs in this process.
+    (``path,label`` rows) is relative to. How the images are packed is ``options`` (a ``PackOptions``),
+    with any of its fields given as keywords applied on top (``storage``, ``resize``, ``crop``,
+    ``encoding``, ``quality``, ``shard_size``, ``max_pixels``, ``max_file_bytes``, ``resampler``: sizes are
+    ``(height, width)`` as torchvision, the CLI's ``WxH`` is width first). ``workers`` defaults to every
+    core; 0 or 1 packs in this process.
     ``on_error="skip"`` leaves unreadable images out (listed in the manifest) instead of failing.
     ``partitions`` overrides the default partition count (``packer.partitions``). An interrupted pack
     resumes when rerun with the same arguments, keeping the partitions already finished.
-    ``resampler`` (``"pil"`` or ``"torch"``) says who resizes; the default is ``packer.resampling``'s.
 
     ``part`` (``"I/N"``, ``"slurm"`` or a ``Part``) packs only task I's share of the partitions and returns
     None; once every task is done, ``packer.merge_parts(dst)`` writes the manifest. ``runner`` packs the
@@ -96,46 +87,35 @@ def pack(
     ``packer.append`` needs to extend a dataset's classes without relabelling). Raises ``PackError`` on bad
     input and for a full disk.
     """
-    spec = transform_spec(resize, crop, encoding, quality, max_pixels, max_file_bytes, resampler)
-    check_options(storage, shard_size, on_error)
+    options = PackOptions.of(options, settings, "pack")
+    spec = options.transform
+    check_on_error(on_error)
     processes = worker_count(workers)
     task_part = parse_part(part) if isinstance(part, str) else part
     dst = Path(dst)
     check_destination(dst, force)
-    declared = {name: f if isinstance(f, FieldSpec) else declare_field(f"{name}:{f}")
-                for name, f in (fields or {}).items()}
-    misnamed = [(name, f.name) for name, f in declared.items() if f.name != name]
-    if misnamed:
-        raise PackError(f"fields: the key {misnamed[0][0]!r} holds a FieldSpec named {misnamed[0][1]!r} "
-                        "(a field's key is its name)")
-    plan = scan_source(src, labels, on_error, max_file_bytes=max_file_bytes, label_kind=label_kind, exclude=dst,
-                       fields=declared)
+    declared = declared_fields(fields)
+    plan = scan_source(src, labels, on_error, max_file_bytes=options.max_file_bytes, label_kind=label_kind,
+                       exclude=dst, fields=declared)
     if base_classes and plan.labelled:
         plan.classes, plan.labels = _extended_classes(list(base_classes), plan.classes, plan.labels)
     if not len(plan):
         raise PackError(f"{src}: no images to pack ({_empty_reason(plan)})")
     all_partitions = cut(len(plan), partitions or default_partition_count(len(plan), expected_record_bytes(spec)))
-    options = {
-        "format_version": FORMAT_VERSION,
-        "tool_version": __version__,
-        "storage": storage,
-        "shard_size": shard_size,
-        "on_error": on_error,
-        "partitions": len(all_partitions),
-        "transform": dataclasses.asdict(spec),
-    }
+    decided = {"format_version": FORMAT_VERSION, "tool_version": __version__, "on_error": on_error,
+               "partitions": len(all_partitions), **options.fingerprint()}
     create_destination(dst)
     mine = all_partitions if task_part is None else task_part.select(all_partitions)
     # the tasks of a --part job share DST by design; any other pack is DST's one writer
     with contextlib.nullcontext() if task_part is not None else claimed_destination(dst, force), \
             cleaned_up_on_failure(dst, None if task_part is None else [p.index for p in mine]):
-        plan_record = _plan_record(dst, plan, spec, storage, all_partitions, plan_fingerprint(plan, options))
+        plan_record = _plan_record(dst, plan, options, all_partitions, plan_fingerprint(plan, decided))
         done = _finished_parts(dst, plan_record, mine)
         done_indices = {r.partition.index for r in done}
         _clear_leftovers(dst, done_indices, {p.index for p in mine} - done_indices, whole_plan=task_part is None)
-        settings = PackSettings(dst, plan.root, storage, shard_size, spec, on_error, plan_record.fingerprint,
-                                tuple(plan.fields))
-        tasks = [_task(settings, plan, p) for p in mine if p.index not in done_indices]
+        worker_settings = PackSettings(dst, plan.root, options.storage, options.shard_size, spec, on_error,
+                                       plan_record.fingerprint, tuple(plan.fields))
+        tasks = [_task(worker_settings, plan, p) for p in mine if p.index not in done_indices]
         total = sum(len(p) for p in mine)
         with tqdm(total=total, initial=total - sum(len(t.partition) for t in tasks), unit="img",
                   disable=not progress, desc="pack" if task_part is None else f"pack part {task_part}") as bar:
@@ -162,23 +142,12 @@ def _extended_classes(base: list[str], classes: list[str], labels: np.ndarray) -
 
 
 def _plan_record(
-    dst: Path, plan: Plan, spec: TransformSpec, storage: str, partitions: list[Partition], fingerprint: str
+    dst: Path, plan: Plan, options: PackOptions, partitions: list[Partition], fingerprint: str
 ) -> PlanRecord:
     """Save the plan record and return it as read back, so that the manifest ``pack`` writes and the one
     ``merge_parts`` writes later come from the same bytes."""
-    fixed = spec.fixed_size
-    manifest = {
-        "storage": storage,
-        "encoding": spec.encoding,
-        "shape": None if fixed is None else [3, *fixed],
-        "classes": plan.classes,
-        "transform": spec.describe(),
-        "source": {"kind": plan.kind, "root": str(plan.root), "files": plan.files},
-        "tool_version": __version__,
-        "jpeg_quality": spec.quality if spec.encoding == "jpeg" else None,
-        "fields": [field.to_json() for field in plan.fields],
-        "labelled": plan.labelled,
-    }
+    manifest = options.manifest_draft(plan.classes, {"kind": plan.kind, "root": str(plan.root), "files": plan.files},
+                                      [field.to_json() for field in plan.fields], plan.labelled)
     PlanRecord(fingerprint, partitions, manifest, plan.skipped).save(dst)
     saved = PlanRecord.load(dst)
     if saved is None:
@@ -214,27 +183,7 @@ def _task(settings: PackSettings, plan: Plan, partition: Partition) -> Partition
                          {name: values[taken] for name, values in plan.values.items()})
 
 
-def transform_spec(
-    resize: int | tuple[int, int] | None,
-    crop: int | tuple[int, int] | None,
-    encoding: str,
-    quality: int,
-    max_pixels: int,
-    max_file_bytes: int,
-    resampler: str | None,
-) -> TransformSpec:
-    try:
-        return TransformSpec(resize, crop, encoding, quality, max_pixels, max_file_bytes,
-                             resampler=resampler or default_resampler())
-    except ValueError as e:
-        raise PackError(str(e)) from None
-
-
-def check_options(storage: str, shard_size: int, on_error: str) -> None:
-    if storage not in STORAGES:
-        raise PackError(f"storage {storage!r} is not one of {', '.join(STORAGES)}")
-    if shard_size < 1:
-        raise PackError(f"shard_size {shard_size} must be a positive number of bytes")
+def check_on_error(on_error: str) -> None:
     if on_error not in ON_ERROR:
         raise PackError(f"on_error {on_error!r} is not one of {', '.join(ON_ERROR)}")
 
