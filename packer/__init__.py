@@ -1,8 +1,8 @@
 """Pack an image folder once into LMDB or HDF5 shards of pre-transformed images (``pack``, whole or one
-task's share of the partitions, then ``merge_parts``; how: ``PackOptions``), or any iterable of images (``pack_items``); add
-images to a dataset (``append``); join finished datasets (``join_datasets``); inspect (``info``,
-``class_counts``), look at (``show``) or check (``verify``) a packed dataset. ``packer`` on the command
-line."""
+task's share of the partitions, then ``merge_parts``), or any iterable of images (``pack_items``), as
+``PackOptions`` say; add images to a dataset (``append``); join finished datasets (``join_datasets``);
+inspect (``info``, ``class_counts``), look at (``show``) or check (``verify``) a packed dataset. ``packer``
+on the command line."""
 from packer.appending import append
 from packer.errors import PackError
 from packer.inspection import DatasetInfo, class_counts, info
@@ -16,6 +16,6 @@ from packer.verification import VerifyReport, verify
 from packer.version import __version__
 
 __all__ = [
-    "DatasetInfo", "PackError", "PackOptions", "VerifyReport", "__version__", "append", "class_counts", "info", "join_datasets",
-    "merge_parts", "pack", "pack_items", "show", "verify",
+    "DatasetInfo", "PackError", "PackOptions", "VerifyReport", "__version__", "append", "class_counts", "info",
+    "join_datasets", "merge_parts", "pack", "pack_items", "show", "verify",
 ]
