@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import signal
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from packer.destination import TEMPORARY_FILE
 from packer.errors import PackError
 
 # A write that fails while less than this is free counts as a full disk: a pack writes a record, an
 # LMDB commit (about 1 MiB of records) or a shard's table at a time, far less than this unless one
 # record is larger.
 NEARLY_FULL_BYTES = 64 << 20
-_TEMPORARY = re.compile(
-    r"(part-(?P<partition>\d{5,})-)?shard-\d{5,}\.(lmdb|h5)\.(tmp|spool)|manifest\.json\.tmp"
-    r"|\.part-(?P<record>\d{5,})\.json\.tmp|\.pack-(journal|plan)\.json\.tmp"
-)
 
 
 class Terminated(BaseException):
@@ -59,7 +55,7 @@ def remove_temporaries(dst: Path, partitions: Iterable[int] | None = None) -> No
         return
     own = None if partitions is None else set(partitions)
     for entry in os.scandir(dst):
-        match = _TEMPORARY.fullmatch(entry.name)
+        match = TEMPORARY_FILE.fullmatch(entry.name)
         if match is None or not entry.is_file(follow_symlinks=False):
             continue
         partition = match.group("partition") or match.group("record")

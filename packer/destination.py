@@ -28,6 +28,15 @@ _OWN_FILE = re.compile(
     r"|\.packer-lock(\.excl)?"  # the writer lock (packer.locking), never removed while a writer holds it
 )
 _LOCK_FILE = re.compile(r"\.packer-lock(\.excl)?")
+# What a pack has in progress: a shard's temporaries (by its container's declared suffixes), a manifest,
+# part record, plan or journal being written. ``partition``/``record`` name the partition it belongs to.
+_SHARD_TEMPORARY = "|".join(
+    rf"{re.escape(c.suffix)}(?:{'|'.join(re.escape(t) for t in c.temporary_suffixes)})" for c in containers()
+)
+TEMPORARY_FILE = re.compile(
+    rf"(part-(?P<partition>\d{{5,}})-)?shard-\d{{5,}}(?:{_SHARD_TEMPORARY})|{re.escape(MANIFEST_NAME)}\.tmp"
+    r"|\.part-(?P<record>\d{5,})\.json\.tmp|\.pack-(journal|plan)\.json\.tmp"
+)
 
 _PARTITION_FILE = re.compile(rf"part-(\d{{5,}})-shard-\d{{5,}}(?:{_SHARD_FILE})|\.part-(\d{{5,}})\.json(?:\.tmp)?")
 

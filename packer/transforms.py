@@ -54,6 +54,7 @@ from PIL import Image
 from packer import jpeg_region
 from packer.resampling import RESAMPLERS, resampler_library, torch_resize
 from reader.format import ENCODINGS, encoding
+from reader.format.raw_encoding import RawEncoding
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own default for Image.MAX_IMAGE_PIXELS
@@ -308,7 +309,7 @@ def _record(
     box, inside = _crop_box(target, spec.pil_crop)
     if spec.encoding == "raw" and spec.resampler == "torch" and out.size != target and (inside or box is None):
         pixels = torch_resize(out, target, box)  # (3, H, W)
-        return pixels.contiguous().numpy().tobytes(), pixels.shape[1], pixels.shape[2]
+        return RawEncoding.encode_planes(pixels.numpy()), pixels.shape[1], pixels.shape[2]
     image = resize_and_crop(out, target, spec.pil_crop, spec.resampler)  # RGB or RGBX
     return encoding(spec.encoding).encode(image, spec.quality), image.height, image.width
 
