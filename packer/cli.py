@@ -237,18 +237,33 @@ def pack_command(src: Path, dst: Path, labels: Path | None, fields: tuple[FieldS
 @main.command("merge")
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.argument("inputs", nargs=-1, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--force", is_flag=True, help="Overwrite a finished dataset at DST (when joining).")
+@click.option("--force", is_flag=True, help="With datasets to join (deprecated form): see `packer join`.")
 def merge_command(dst: Path, inputs: tuple[Path, ...], force: bool) -> None:
-    """`merge DST`: finish DST, packed part by part with `pack --part` (check every part, write the
-    manifest). `merge DST A B ...`: join the finished datasets A, B, ... into the new dataset DST."""
+    """Finish DST, packed part by part with `pack --part`: check every part, then write the manifest.
+    (`merge OUT A B ...`, the old spelling of `packer join OUT A B ...`, still works, with a note.)"""
     if not inputs:
         _print_pack_summary(dst, merge_parts(dst))
         return
-    report = join_datasets(dst, list(inputs), force=force)
+    click.echo("note: `packer merge OUT A B ...` is now `packer join OUT A B ...`; this form will go", err=True)
+    _join(dst, inputs, force)
+
+
+@main.command("join")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite a finished dataset at OUT.")
+def join_command(out: Path, inputs: tuple[Path, ...], force: bool) -> None:
+    """Join the finished datasets INPUTS (same pre-transform) into the new dataset OUT: shards are
+    hard-linked where they can be (no bytes copied), classes are united by name."""
+    _join(out, inputs, force)
+
+
+def _join(out: Path, inputs: tuple[Path, ...], force: bool) -> None:
+    report = join_datasets(out, list(inputs), force=force)
     manifest = report.manifest
     how = f"{report.linked} hard-linked (no bytes copied), {report.copied} copied"
-    say(f"joined {len(inputs)} datasets into {dst}: {manifest.num_records} images in "
-               f"{len(manifest.classes)} classes, {len(manifest.shards)} shards ({how})")
+    say(f"joined {len(inputs)} datasets into {out}: {manifest.num_records} images in "
+        f"{len(manifest.classes)} classes, {len(manifest.shards)} shards ({how})")
 
 
 @main.command("info")

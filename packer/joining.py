@@ -1,6 +1,6 @@
 """``join_datasets``: several finished datasets made with the same pre-transform, as one dataset.
 
-What ``packer merge OUT A B ...`` runs. The inputs must agree on everything a record's bytes and label
+What ``packer join OUT A B ...`` runs. The inputs must agree on everything a record's bytes and label
 mean: storage, encoding, shape, JPEG quality, the pre-transform, and the classes, reconciled by name:
 a label is an index into ``classes``, so every input's class list must be the same as, or a leading
 part of, the longest one (CSV datasets with integer labels 0..7 and 0..9 join; ``[cat, dog]`` and

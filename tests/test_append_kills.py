@@ -73,7 +73,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_readers_need_no_lock(
         holder = f"pid {stalled.pid} on {socket.gethostname()}, command: packer pack {new} {dst} --append"
         for second in (["pack", new, dst, "--append", "--workers", "0", "--quiet"],
                        ["pack", new, dst, "--force", "--workers", "0", "--quiet"],
-                       ["merge", dst, pristine, root / "reference", "--force"]):
+                       ["join", dst, pristine, root / "reference", "--force"]):
             line = assert_one_line_error(run_cli(*second), f"{dst}: another packer is writing this dataset")
             assert holder in line and "wait for it to finish, then rerun" in line
         assert len(dataset_records(dst)) == 6  # a reader opens the old dataset meanwhile, without the lock

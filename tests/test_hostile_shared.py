@@ -70,7 +70,7 @@ def test_a_manifest_that_is_not_a_file_is_one_line_for_every_command(packed: Pat
         os.symlink("/dev/zero", dst / "manifest.json")
     for command in (["info", dst], ["verify", dst, "--quiet"], ["show", dst, "0", "--out", tmp_path / "png"],
                     ["pack", packed.parent / "src", dst, "--append", "--quiet"],
-                    ["merge", tmp_path / "joined", dst, packed]):
+                    ["join", tmp_path / "joined", dst, packed]):
         line = assert_one_line_error(run_cli(*command), "manifest.json")
         assert "not a regular file" in line, command
 
@@ -81,7 +81,7 @@ def test_show_into_a_dangling_symlink_and_merge_of_a_dataset_with_itself_are_ref
     os.symlink("nowhere", tmp_path / "dangling")
     line = assert_one_line_error(run_cli("show", packed, "0", "--out", tmp_path / "dangling"), "dangling")
     assert "a symlink to 'nowhere', which does not exist" in line
-    line = assert_one_line_error(run_cli("merge", tmp_path / "out", packed, packed), str(packed))
+    line = assert_one_line_error(run_cli("join", tmp_path / "out", packed, packed), str(packed))
     assert "named twice among the datasets to join" in line and not (tmp_path / "out").exists()
 
 
@@ -150,7 +150,7 @@ def test_a_signal_during_append_or_join_is_one_line_its_exit_code_and_no_tempora
     dst = copy(packed, tmp_path)
     src = folder(tmp_path / "more", {"fox": 2}, seed=5)
     commands = {dst: ["pack", src, dst, "--append", "--workers", "0", "--quiet"],
-                tmp_path / "joined": ["merge", tmp_path / "joined", packed, dst]}
+                tmp_path / "joined": ["join", tmp_path / "joined", packed, dst]}
     for where, args in commands.items():  # the signal comes just before the manifest is swapped in
         done = subprocess.run(signalled("swap+0", signal_name, where, args), capture_output=True, text=True,
                               timeout=TIMEOUT_S, env=subprocess_env(), cwd=REPO)

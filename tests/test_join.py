@@ -1,4 +1,4 @@
-"""``packer merge OUT A B ...``: joining finished datasets, hard links where possible, clear refusals."""
+"""``packer join OUT A B ...``: joining finished datasets, hard links where possible, clear refusals."""
 from __future__ import annotations
 
 import tempfile
@@ -33,7 +33,7 @@ def two_datasets(tmp_path: Path, make_image_folder: Callable[..., Path]) -> tupl
 def test_join_hard_links_the_shards_and_keeps_every_record(tmp_path: Path, two_datasets: tuple[Path, Path]) -> None:
     a, b = two_datasets
     out = tmp_path / "joined"
-    code, output = run("merge", out, a, b)
+    code, output = run("join", out, a, b)
     assert code == 0, output
     assert output == (f"joined 2 datasets into {out}: 10 images in 2 classes, "
                       "3 shards (3 hard-linked (no bytes copied), 0 copied)\n")
@@ -77,7 +77,7 @@ def test_integer_label_classes_that_extend_each_other_join(
 def test_join_refuses_other_classes_naming_the_input(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
     packer.pack(make_image_folder(tmp_path / "s1", classes=("cat", "dog")), tmp_path / "one", **OPTIONS)
     packer.pack(make_image_folder(tmp_path / "s2", classes=("cat", "fox")), tmp_path / "two", **OPTIONS)
-    code, output = run("merge", tmp_path / "out", tmp_path / "one", tmp_path / "two")
+    code, output = run("join", tmp_path / "out", tmp_path / "one", tmp_path / "two")
     assert code == 1
     assert output == (
         f"Error: {tmp_path / 'two'}: label 1 is class 'fox' there but 'dog' in {tmp_path / 'one'}; labels are class "
@@ -90,14 +90,14 @@ def test_join_refuses_another_pre_transform(tmp_path: Path, make_image_folder: C
     src = make_image_folder(tmp_path / "src")
     packer.pack(src, tmp_path / "one", **OPTIONS)
     packer.pack(src, tmp_path / "two", **{**OPTIONS, "resize": 20})
-    code, output = run("merge", tmp_path / "out", tmp_path / "one", tmp_path / "two")
+    code, output = run("join", tmp_path / "out", tmp_path / "one", tmp_path / "two")
     assert code == 1
     assert output == (
         f"Error: {tmp_path / 'two'}: its pre-transform differs from {tmp_path / 'one'}'s in resize; "
         "only datasets packed with the same pre-transform can be joined\n"
     )
     packer.pack(src, tmp_path / "jpeg", **{**OPTIONS, "encoding": "jpeg"})
-    code, output = run("merge", tmp_path / "out", tmp_path / "one", tmp_path / "jpeg")
+    code, output = run("join", tmp_path / "out", tmp_path / "one", tmp_path / "jpeg")
     assert output == (
         f"Error: {tmp_path / 'jpeg'}: encoding is 'jpeg' but {tmp_path / 'one'}'s is 'raw'; "
         "only datasets packed the same way can be joined\n"
@@ -109,15 +109,23 @@ def test_join_refuses_an_unfinished_input_and_an_existing_output(
 ) -> None:
     a, b = two_datasets
     (tmp_path / "empty").mkdir()
-    code, output = run("merge", tmp_path / "out", a, tmp_path / "empty")
+    code, output = run("join", tmp_path / "out", a, tmp_path / "empty")
     assert code == 1 and "empty: no manifest.json, so this is not a finished packed dataset" in output
-    assert run("merge", tmp_path / "out", a, b)[0] == 0
-    code, output = run("merge", tmp_path / "out", a, b)
+    assert run("join", tmp_path / "out", a, b)[0] == 0
+    code, output = run("join", tmp_path / "out", a, b)
     assert code == 1 and "already holds a finished packed dataset; pass --force" in output
-    assert run("merge", tmp_path / "out", a, b, "--force")[0] == 0
-    code, output = run("merge", a, a, b)
+    assert run("join", tmp_path / "out", a, b, "--force")[0] == 0
+    code, output = run("join", a, a, b)
     assert code == 1 and output == f"Error: {a}: the output cannot be one of the datasets being joined\n"
-    code, output = run("merge", a / "sub", a, b)
+    code, output = run("join", a / "sub", a, b)
     assert code == 1 and output == (f"Error: {a / 'sub'}: the output cannot be inside {a}, one of the datasets "
                                     "being joined\n")
     assert not (a / "sub").exists()
+
+
+def test_the_old_merge_spelling_still_joins_with_a_note(tmp_path: Path, two_datasets: tuple[Path, Path]) -> None:
+    a, b = two_datasets
+    result = CliRunner().invoke(main, ["merge", str(tmp_path / "old"), str(a), str(b)])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "note: `packer merge OUT A B ...` is now `packer join OUT A B ...`; this form will go\n"
+    assert read_packed_records(tmp_path / "old") == read_packed_records(a) + read_packed_records(b)
