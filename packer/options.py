@@ -28,10 +28,11 @@ class PackOptions:
 
     ``storage``: the shard container (``lmdb``, ``hdf5``). ``resize``, ``crop``: an int (shorter side /
     square) or ``(height, width)``, as torchvision (``packer.transforms``). ``encoding``: ``raw`` or
-    ``jpeg``; ``quality``: the JPEG quality, which only goes with ``jpeg``. ``shard_size``: each shard's
-    payload bytes at most. ``max_pixels``, ``max_file_bytes``: larger images or source files are refused.
-    ``resampler``: ``pil`` or ``torch``; None is ``packer.resampling``'s default for this install.
-    Raises ``PackError`` naming the first setting that is out of range.
+    ``jpeg``; ``quality``: the JPEG quality (used by ``jpeg`` only; the CLI refuses ``--quality`` without
+    it). ``shard_size``: each shard's payload bytes at most. ``max_pixels``, ``max_file_bytes``: larger
+    images or source files are refused. ``resampler``: ``pil`` or ``torch``; None is
+    ``packer.resampling``'s default for this install. Raises ``PackError`` naming the first setting that
+    is out of range.
     """
 
     storage: str = "lmdb"
@@ -54,8 +55,6 @@ class PackOptions:
             raise PackError(f"storage {self.storage!r} is not one of {', '.join(STORAGES)}")
         if isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) or self.shard_size < 1:
             raise PackError(f"shard_size {self.shard_size!r} must be a positive number of bytes")
-        if self.quality != DEFAULT_QUALITY and self.encoding != "jpeg":
-            raise PackError(f"quality {self.quality!r} sets the JPEG quality: it needs encoding 'jpeg'")
         self.transform  # its settings are checked now, not at the first image
 
     @classmethod

@@ -20,8 +20,9 @@ import torch
 
 from reader.arguments import saved_position, true_or_false, whole_number
 from reader.augment import BatchAugment, augment_from, seeded_generator
+from reader.epoch_cursor import EpochCursor
 from reader.prefetcher import default_device
-from reader.ranks import rank_and_world_size
+from reader.ranks import rank_and_world_size, share_per_rank
 
 # Fraction of the free memory the resident dataset may take; the rest is left to the model.
 MEMORY_FRACTION = 0.8
@@ -84,7 +85,7 @@ def _describe(dataset: object) -> str:
     return str(path) if path is not None else type(dataset).__name__
 
 
-class GPUDataset:
+class GPUDataset(EpochCursor):
     """Iterate over a resident copy of ``dataset`` in shuffled, normalized, augmented batches.
 
     Yields ``(dtype images [B, 3, H', W'], int64 labels [B])`` on ``device`` (None: CUDA when present,
@@ -128,15 +129,13 @@ class GPUDataset:
         self.seed = whole_number("seed", seed)
         self.rank, self.world_size = rank_and_world_size(rank, world_size)
         self.pad = true_or_false("pad", pad)
-        self.epoch = 0
-        self._resume_at = 0
         self._position = (0, 0)
         self.augment = augment_from(mean, std, augment, augment_options)
         shape = self._fixed_shape(dataset)
         self._check_fits(dataset, shape)
         self.images, self.labels = self._load(dataset, shape, load_batch_size)
         count = len(self.labels)
-        self.samples_per_rank = -(-count // self.world_size) if pad else count // self.world_size
+        self.samples_per_rank = share_per_rank(count, self.world_size, pad)
 
     @staticmethod
     def _fixed_shape(dataset: FixedShapeDataset) -> tuple[int, int, int]:
@@ -188,11 +187,8 @@ class GPUDataset:
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration's order and augmentation draws (moving to another epoch
         than a loaded state's drops that state's position)."""
-        epoch = whole_number("epoch", epoch)
-        if epoch != self.epoch:
-            self._resume_at = 0
-            self._position = (epoch, 0)
-        self.epoch = epoch
+        if self._move_to_epoch(epoch):
+            self._position = (self.epoch, 0)
 
     def state_dict(self) -> dict:
         """Where the consumer is: ``{"epoch", "batches" (yielded this epoch), "seed"}``; between
@@ -204,8 +200,9 @@ class GPUDataset:
         """Restore a ``state_dict()``: the next iteration yields the batch after the saved ones, with the
         same order and augmentation draws as the saved run. A state that is not such a dict, or has an
         entry missing or mistyped, raises ``TypeError``/``ValueError`` naming it."""
-        _, self.epoch, self._resume_at, self.seed = saved_position(state)
-        self._position = (self.epoch, self._resume_at)
+        _, epoch, batches, self.seed = saved_position(state)
+        self._restore_position(epoch, batches)
+        self._position = (epoch, batches)
 
     def epoch_indices(self, epoch: int) -> torch.Tensor:
         """This rank's sample indices for ``epoch``, in order (before batching and ``drop_last``)."""
@@ -221,8 +218,7 @@ class GPUDataset:
         return order[first : first + self.samples_per_rank]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        epoch, first, self.epoch, self._resume_at = self.epoch, self._resume_at, self.epoch + 1, 0
-        return self._batches(epoch, first)
+        return self._batches(*self._take_pass())
 
     def _batches(self, epoch: int, first: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self.epoch_indices(epoch)

@@ -24,6 +24,7 @@ import torch
 
 from reader.arguments import saved_position, whole_number
 from reader.augment import BatchAugment, augment_from, seeded_generator
+from reader.epoch_cursor import EpochCursor
 from reader.ranks import rank_and_world_size
 
 Batch = tuple[torch.Tensor, ...] | dict[str, Any]  # a mapping with make_loader(fields=...)
@@ -64,7 +65,7 @@ def forward_set_epoch(loader: object, epoch: int) -> None:
             return
 
 
-class CUDAPrefetcher:
+class CUDAPrefetcher(EpochCursor):
     """Wraps a loader of ``(uint8 images, int64 labels [B], *extras)`` batches and yields device batches
     ``(dtype images [B, 3, H', W'], int64 labels [B], *extras)``, normalized and augmented.
 
@@ -104,9 +105,7 @@ class CUDAPrefetcher:
         self.augment = augment_from(mean, std, augment, augment_options)
         self.seed = whole_number("seed", seed)
         self.rank = rank_and_world_size(None)[0] if rank is None else whole_number("rank", rank)
-        self.epoch = 0
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
-        self._resume_at = 0
         self._position: dict | None = None
         self.preparing_s = 0.0  # the calling thread's time in _start, which StepTimer keeps apart
 
@@ -118,12 +117,9 @@ class CUDAPrefetcher:
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration's draws, and forward it to the loader. Moving to another
         epoch than a loaded state's drops that state's position, as the loader does."""
-        epoch = whole_number("epoch", epoch)
-        if epoch != self.epoch:
-            self._resume_at = 0
+        if self._move_to_epoch(epoch):
             self._position = None
-        self.epoch = epoch
-        forward_set_epoch(self.loader, epoch)
+        forward_set_epoch(self.loader, self.epoch)
 
     def state_dict(self) -> dict:
         """Where the consumer is: ``{"epoch", "batches" (handed over this epoch), "seed", "loader"}``,
@@ -148,12 +144,12 @@ class CUDAPrefetcher:
             raise TypeError(f"{type(self.loader).__name__} has no load_state_dict(): cannot resume it")
         state, epoch, batches, seed = saved_position(state, "loader")
         self.loader.load_state_dict(state["loader"])
-        self.seed, self.epoch, self._resume_at = seed, epoch, batches
+        self.seed = seed
+        self._restore_position(epoch, batches)
         self._position = dict(state)
 
     def __iter__(self) -> Iterator[Batch]:
-        epoch, first, self.epoch, self._resume_at = self.epoch, self._resume_at, self.epoch + 1, 0
-        return self._batches(epoch, first)
+        return self._batches(*self._take_pass())
 
     def _loader_state(self) -> dict | None:
         return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None

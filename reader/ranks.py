@@ -1,4 +1,5 @@
-"""Which rank this process is, and how many there are: one rule for every reader class."""
+"""Which rank this process is, how many there are, and how an epoch is split between them: one rule for
+every reader class."""
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -18,3 +19,11 @@ def rank_and_world_size(rank: int | None, world_size: int | None = None) -> tupl
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in range for world_size {world_size}")
     return rank, world_size
+
+
+def share_per_rank(count: int, world_size: int, pad: bool) -> int:
+    """The DDP split rule: an epoch of ``count`` samples is made a multiple of ``world_size`` long, by
+    wrapping around to its start (``pad``) or by dropping its tail, and rank ``r`` takes the ``r``-th
+    contiguous slice of it, this many samples long. Every rank gets the same number (no DDP hang at an
+    epoch's end), and contiguous slices keep each rank's reads sequential."""
+    return -(-count // world_size) if pad else count // world_size

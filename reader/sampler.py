@@ -54,7 +54,7 @@ from torch.utils.data import Dataset, Sampler
 from reader.arguments import saved_state, whole_number
 from reader.epoch_order import EpochOrder, QuasiRandomOrder, RandomOrder
 from reader.packed_view import as_view
-from reader.ranks import rank_and_world_size
+from reader.ranks import rank_and_world_size, share_per_rank
 
 ORDERS = ("sequential", "random", "quasi_random")
 DEFAULT_BUFFER_BLOCKS = 16
@@ -276,8 +276,8 @@ class ShardSampler(Sampler[int]):
         return remaining
 
     def _fitted(self, length: int, world: int) -> int:
-        """``length`` padded (or cut, without ``pad``) to a multiple of ``world``."""
-        return -(-length // world) * world if self.pad else length // world * world
+        """``length`` padded (or cut, without ``pad``) to a multiple of ``world`` (``reader.ranks``)."""
+        return share_per_rank(length, world, self.pad) * world
 
     def _fit(self, order: np.ndarray, valid: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
         total = self._fitted(len(order), world)

@@ -35,7 +35,7 @@ def test_a_keyword_on_top_of_options_replaces_that_setting_only(tmp_path: Path,
 @pytest.mark.parametrize(("settings", "message"), [
     ({"storage": "zip"}, "storage 'zip' is not one of"),
     ({"shard_size": 0}, "shard_size 0 must be a positive number of bytes"),
-    ({"quality": 50}, "quality 50 sets the JPEG quality: it needs encoding 'jpeg'"),
+    ({"quality": 101}, "quality 101 is not between 1 and 100"),
     ({"encoding": "png"}, "encoding 'png' is not one of"),
     ({"crop": -3}, "crop"),
 ])
