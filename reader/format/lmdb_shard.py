@@ -102,10 +102,14 @@ class LmdbShardWriter(ShardWriter):
     def _finish_payloads(self, table: np.ndarray) -> np.ndarray:
         self._commit()
         offsets = np.empty(len(table), dtype=np.uint64)
-        map_addr = mapping_address(self.tmp_path)
+        mappings = FileMappings(self.tmp_path)
         with self._env.begin(buffers=True) as txn:
             for i in range(len(table)):
-                offsets[i] = np.frombuffer(self._written(txn, i), dtype=np.uint8).ctypes.data - map_addr
+                view = self._written(txn, i)
+                offset = mappings.file_offset(np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view))
+                if offset is None:
+                    raise RuntimeError(f"{self.tmp_path}: LMDB's map of record {i} not found in /proc/self/maps")
+                offsets[i] = offset
             first = bytes(self._written(txn, 0))
         with open(self.tmp_path, "rb") as f:
             f.seek(int(offsets[0]))
@@ -140,15 +144,34 @@ class LmdbShardWriter(ShardWriter):
             self._closed = True
 
 
-def mapping_address(path: Path) -> int:
-    """Where LMDB mapped ``path`` in this process (py-lmdb does not report it; Linux tells)."""
-    inode = os.stat(path).st_ino
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            if len(fields) >= 6 and int(fields[4]) == inode and int(fields[2], 16) == 0:
-                return int(fields[0].split("-")[0], 16)
-    raise RuntimeError(f"{path}: LMDB mapping not found in /proc/self/maps")
+class FileMappings:
+    """Where this process maps one file, read from ``/proc/self/maps``: each mapping's address range
+    and the file offset it starts at (py-lmdb does not report where LMDB mapped a file; Linux does).
+
+    The same file can be mapped several times (LMDB's map, the reader's own mapping of a shard it
+    read, a hard link of it in a merged dataset), so an address is resolved by the mapping that
+    *contains* it, never by the first mapping of the file. Read once, after LMDB has mapped the file:
+    a read-only environment never moves its map.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        st = os.stat(path)
+        device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+        self.ranges: list[tuple[int, int, int]] = []  # (start, end, file offset of start)
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and int(fields[4]) == st.st_ino and fields[3] == device:
+                    start, end = (int(a, 16) for a in fields[0].split("-"))
+                    self.ranges.append((start, end, int(fields[2], 16)))
+
+    def file_offset(self, address: int, length: int) -> int | None:
+        """The file offset of the ``length`` bytes at ``address``, or None if no single mapping of
+        the file holds them all."""
+        for start, end, offset in self.ranges:
+            if start <= address and address + length <= end:
+                return address - start + offset
+        return None
 
 
 def check_lmdb_meta(path: str | os.PathLike, file_size: int, shown: Path) -> None:
@@ -182,15 +205,16 @@ def check_lmdb_meta(path: str | os.PathLike, file_size: int, shown: Path) -> Non
             )
 
 
-def bounded_value(view: memoryview, map_address: int, file_size: int, shown: Path, what: str) -> bytes:
+def bounded_value(view: memoryview, mappings: FileMappings, file_size: int, shown: Path, what: str) -> bytes:
     """Copy an LMDB value (a zero-copy view into the map) only when it lies inside the file.
 
-    A damaged node can claim a value longer than the file: copying it would touch pages past the end
-    (``SIGBUS``). ``map_address`` is where the map starts (``mapping_address``).
+    A damaged node can claim a value longer than the file, or on pages past its end: copying it would
+    touch pages past the end (``SIGBUS``). ``mappings`` says where the file is mapped.
     """
-    start = np.frombuffer(view, dtype=np.uint8).ctypes.data - map_address if len(view) else 0
-    if start < 0 or start + len(view) > file_size:
-        raise FormatError(f"{shown}: {what} lies outside the file ({len(view)} bytes at offset {start}); "
+    start = mappings.file_offset(np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view)) if len(view) else 0
+    if start is None or start + len(view) > file_size:
+        where = "outside LMDB's map" if start is None else f"at offset {start}"
+        raise FormatError(f"{shown}: {what} lies outside the file ({len(view)} bytes {where}); "
                           "the LMDB shard is damaged")
     return bytes(view)
 
@@ -208,11 +232,11 @@ def _checked_values(
     except lmdb.Error as e:
         raise FormatError(f"{shown}: cannot be opened as an LMDB shard ({e})") from None
     try:
-        map_address = mapping_address(Path(path))
+        mappings = FileMappings(path)
         with env.begin(buffers=True) as txn:
             def value(key: bytes, what: str) -> bytes | None:
                 view = txn.get(key)
-                return None if view is None else bounded_value(view, map_address, file_size, shown, what)
+                return None if view is None else bounded_value(view, mappings, file_size, shown, what)
 
             yield value
     except lmdb.Error as e:
