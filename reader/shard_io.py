@@ -33,6 +33,14 @@ shard files' identities (``reader.format.FileIdentity``, recorded when the datas
 Every open checks that the file is still that version, and every read of a shard an ``fstat`` of its
 descriptor (about a microsecond), so a shard replaced or rewritten under a running job raises
 ``FormatError`` instead of serving other records against the old record table.
+
+A process keeps at most ``MAX_OPEN_SHARDS`` shards open (the least recently used one is closed
+first), whatever the dataset's shard count: each costs one descriptor, plus the one its mapping holds
+(Python's ``mmap`` keeps a ``dup``), so a process holds at most twice that many, which fits a cluster's
+``ulimit -n`` of 256 or 1024 with room to spare. Mappings are bounded too: the least recently used are
+unmapped once the mapped shard files exceed ``MAX_MAPPED_BYTES``, so a process's RSS (which counts the
+mapped pages it touched) stays bounded however large the dataset is. Reopening a shard costs an
+``open`` and an ``fstat``; remapping one costs its page faults again, about what ``preadv`` costs.
 """
 from __future__ import annotations
 
@@ -49,7 +57,7 @@ import numpy as np
 
 from reader.format import FileIdentity, FormatError
 from reader.format.shard_files import check_identity, open_checked
-from reader.mapped_copy import MappedFile
+from reader.mapped_copy import GUARDED, MappedFile
 
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 DEFAULT_MAX_GAP = 64 << 10
@@ -67,6 +75,12 @@ MAX_ADVICE_BYTES = 2 << 20
 # page cache has dropped them). Should the cache drop a remembered block anyway, the worker that
 # misses in it reads it ahead itself.
 RECENT_ADVICE_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+# Per process: shards open at once (each one descriptor, two while mapped), and bytes of shard files
+# mapped at once (the bound on the RSS that mapped pages add). Large enough that a quasi-random
+# window's shards (16 blocks, so at most 16 shards) stay open, and that a dataset of up to 1 GiB per
+# process keeps its page tables filled across epochs.
+MAX_OPEN_SHARDS = 32
+MAX_MAPPED_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -101,8 +115,32 @@ class _Run:
             self.iovecs = _skip_bytes(self.iovecs, n)
 
 
+class _OpenShard:
+    """One open shard of this process: its descriptor and, once warm records were copied, its mapping."""
+
+    __slots__ = ("fd", "mapped")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.mapped: MappedFile | None = None
+
+    def unmap(self) -> int:
+        """Drop the mapping; the bytes it mapped."""
+        if self.mapped is None:
+            return 0
+        size = self.mapped.size
+        self.mapped.close()
+        self.mapped = None
+        return size
+
+    def close(self) -> None:
+        self.unmap()
+        os.close(self.fd)
+
+
 class ShardFiles:
-    """Read-only descriptors on a dataset's shard files, opened on first use in each process.
+    """Read-only descriptors on a dataset's shard files, opened on first use in each process, at most
+    ``MAX_OPEN_SHARDS`` at once (least recently used closed first; see the module doc).
 
     ``identities[s]`` is what shard file ``s`` was when the dataset was opened (see the module doc).
 
@@ -128,12 +166,12 @@ class ShardFiles:
             self._block_starts = np.concatenate([origin + bounds[:-1] for origin, bounds in
                                                  zip(self._shard_origin, block_bounds)] + [self._shard_origin[-1:]])
         self._pid: int | None = None
-        self._fds: dict[int, int] = {}
+        self._open: OrderedDict[int, _OpenShard] = OrderedDict()  # least recently used first
+        self._mapped_bytes = 0
         self._advice_bytes: dict[int, int] = {}
         self._advised: OrderedDict[int, int] = OrderedDict()  # global block -> its bytes
         self._advised_bytes = 0
         self._nowait = True
-        self._maps: dict[int, MappedFile] = {}
         self._gap = memoryview(bytearray(0))
 
     def __getstate__(self) -> dict:
@@ -147,36 +185,43 @@ class ShardFiles:
         self.close()
 
     def close(self) -> None:
-        """Close this process's descriptors (descriptors inherited through ``fork`` are the child's own
-        copies, so closing them never disturbs the parent)."""
-        fds, self._fds = self._fds, {}
-        self._maps = {}
-        for fd in fds.values():
-            os.close(fd)
+        """Close this process's descriptors and mappings (those inherited through ``fork`` are the
+        child's own copies, so closing them never disturbs the parent)."""
+        shards, self._open, self._mapped_bytes = self._open, OrderedDict(), 0
+        for entry in shards.values():
+            entry.close()
 
-    def _fd(self, shard: int) -> int:
+    def _shard(self, shard: int) -> _OpenShard:
+        """Shard ``shard`` open in this process, checked to be the file the dataset opened; the least
+        recently used shard is closed first when ``MAX_OPEN_SHARDS`` are open."""
         pid = os.getpid()
         if self._pid != pid:
             self.close()
             self._pid = pid
             self._gap = memoryview(bytearray(self.max_gap))
-        fd = self._fds.get(shard)
-        if fd is None:
-            fd = self._fds[shard] = open_checked(self.paths[shard], self.identities[shard])
+        entry = self._open.get(shard)
+        if entry is None:
+            while len(self._open) >= MAX_OPEN_SHARDS:
+                _, evicted = self._open.popitem(last=False)
+                self._mapped_bytes -= evicted.unmap()
+                evicted.close()
+            entry = self._open[shard] = _OpenShard(open_checked(self.paths[shard], self.identities[shard]))
         else:
-            check_identity(self.paths[shard], fd, self.identities[shard])
-        return fd
+            check_identity(self.paths[shard], entry.fd, self.identities[shard])
+            self._open.move_to_end(shard)
+        return entry
 
     def read(self, shard: int, request: ReadRequest) -> None:
         """Fill every destination of ``request`` with its record's bytes from shard number ``shard``."""
-        fd = self._fd(shard)
+        entry = self._shard(shard)
+        fd = entry.fd
         runs = self._runs(request)
         if self.block_bounds is None:
             pending = runs
         else:
-            mapped = self._mapped(shard, fd)
+            mapped = self._mapped(shard, entry)
             cached = 0
-            while cached < len(runs) and (self._copy_mapped(mapped, runs[cached])
+            while cached < len(runs) and (self._copy_mapped(shard, mapped, runs[cached])
                                           or self._read_cached(fd, runs[cached])):
                 cached += 1
             pending = runs[cached:]
@@ -210,24 +255,41 @@ class ShardFiles:
             run.total = run.ends[-1][1]
         return runs
 
-    def _mapped(self, shard: int, fd: int) -> MappedFile | None:
-        """This process's mapping of the shard, remapped when the file has grown; None when it has
-        shrunk (the file changed: its records are read with ``preadv``, which reports it)."""
-        size = os.fstat(fd).st_size
-        mapped = self._maps.get(shard)
-        if mapped is None or len(mapped.bytes) < size:
+    def _mapped(self, shard: int, entry: _OpenShard) -> MappedFile | None:
+        """This process's mapping of the open shard, remapped when the file has grown; None when it has
+        shrunk (the file changed: its records are read with ``preadv``, which reports it) or where the
+        guarded copy is not built. Mapping it may unmap the least recently used others
+        (``MAX_MAPPED_BYTES``)."""
+        if not GUARDED:
+            return None
+        size = os.fstat(entry.fd).st_size
+        if entry.mapped is None or entry.mapped.size < size:
+            self._mapped_bytes -= entry.unmap()
             try:
-                mapped = self._maps[shard] = MappedFile(fd)
+                entry.mapped = MappedFile(entry.fd)
             except (OSError, ValueError):
                 return None
-        return mapped if len(mapped.bytes) == size else None
+            self._mapped_bytes += entry.mapped.size
+            for other in self._open.values():
+                if self._mapped_bytes <= MAX_MAPPED_BYTES:
+                    break
+                if other is not entry:
+                    self._mapped_bytes -= other.unmap()
+        return entry.mapped if entry.mapped.size == size else None
 
-    @staticmethod
-    def _copy_mapped(mapped: MappedFile | None, run: _Run) -> bool:
-        """Copy ``run`` from the mapping when all its pages are resident (``reader.mapped_copy``)."""
+    def _copy_mapped(self, shard: int, mapped: MappedFile | None, run: _Run) -> bool:
+        """Copy ``run`` from the mapping when all its pages are resident (``reader.mapped_copy``); a
+        copy cut short by the file shrinking under it is the changed-file ``FormatError``."""
         if mapped is None or not mapped.resident(run.start + run.done, run.start + run.total):
             return False
-        run.advance(mapped.copy(run.start + run.done, run.iovecs))
+        wanted = run.total - run.done
+        copied = mapped.copy(run.start + run.done, run.iovecs)
+        if copied < wanted:
+            fd = self._open[shard].fd
+            check_identity(self.paths[shard], fd, self.identities[shard])
+            raise FormatError(f"{self.paths[shard]}: shard file shrank while its records were read (rewritten "
+                              "in place?); open the dataset again")
+        run.advance(copied)
         return True
 
     def _read_cached(self, fd: int, run: _Run) -> bool:
@@ -269,7 +331,7 @@ class ShardFiles:
         fresh = [(shard, block) for shard, block in zip(shard_of[gathered].tolist(), blocks[gathered].tolist())
                  if self._note_advised(block)]
         for shard in sorted({shard for shard, _ in fresh}):
-            self._advise_blocks(shard, self._fd(shard), [block for s, block in fresh if s == shard])
+            self._advise_blocks(shard, self._shard(shard).fd, [block for s, block in fresh if s == shard])
 
     def _note_advised(self, block: int) -> bool:
         """Remember that (global) ``block`` is being advised; False if it already was, recently."""
