@@ -145,32 +145,38 @@ class LmdbShardWriter(ShardWriter):
 
 
 class FileMappings:
-    """Where this process maps one file, read from ``/proc/self/maps``: each mapping's address range
-    and the file offset it starts at (py-lmdb does not report where LMDB mapped a file; Linux does).
+    """Where this process maps one file, read from ``/proc/self/maps`` (py-lmdb does not report where
+    LMDB mapped a file; Linux does).
 
     The same file can be mapped several times (LMDB's map, the reader's own mapping of a shard it
     read, a hard link of it in a merged dataset), so an address is resolved by the mapping that
-    *contains* it, never by the first mapping of the file. Read once, after LMDB has mapped the file:
-    a read-only environment never moves its map.
+    *contains* it, never by the first mapping of the file. The maps are read when an address is not in
+    a mapping found before, and only up to the mapping that holds it (the kernel writes the file as it
+    is read: each line costs). A read-only LMDB environment never moves its map.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         st = os.stat(path)
-        device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-        self.ranges: list[tuple[int, int, int]] = []  # (start, end, file offset of start)
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split()
-                if len(fields) >= 6 and int(fields[4]) == st.st_ino and fields[3] == device:
-                    start, end = (int(a, 16) for a in fields[0].split("-"))
-                    self.ranges.append((start, end, int(fields[2], 16)))
+        self._key = f" {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} {st.st_ino} "
+        self._found: list[tuple[int, int, int]] = []  # (start, end, file offset of start)
 
     def file_offset(self, address: int, length: int) -> int | None:
         """The file offset of the ``length`` bytes at ``address``, or None if no single mapping of
         the file holds them all."""
-        for start, end, offset in self.ranges:
-            if start <= address and address + length <= end:
-                return address - start + offset
+        mapping = next((m for m in self._found if m[0] <= address < m[1]), None) or self._find(address)
+        if mapping is None or address + length > mapping[1]:
+            return None
+        return address - mapping[0] + mapping[2]
+
+    def _find(self, address: int) -> tuple[int, int, int] | None:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if self._key in line:
+                    span, _, offset = line.split(maxsplit=3)[:3]
+                    start, end = (int(a, 16) for a in span.split("-"))
+                    if start <= address < end:
+                        self._found.append((start, end, int(offset, 16)))
+                        return self._found[-1]
         return None
 
 
