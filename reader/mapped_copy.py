@@ -4,8 +4,8 @@ Why: on a warm page cache a ``preadv`` spends most of its time in the kernel wal
 4 KiB at a time, while a ``memcpy`` from a mapping whose page tables are already filled runs at memory
 bandwidth. Raw 224x224 records per second, measured on two of the VMs this was written on: ``preadv``
 28,000 against 60,000 per core on one; 52,000 against 64,000-68,000 on one core and 86,000 against
-94,000 for two processes on the other. The mapping is made once per process and shard while the shard
-stays among the process's open shards (``reader.shard_io``); its page tables fill on the first epoch.
+94,000 for two processes on the other. The mapping is made once per process and shard, for datasets
+small enough to stay mapped whole (``reader.shard_io``); its page tables fill on the first epoch.
 The mapping is only read where ``mincore`` says the run's last page is resident (read-ahead fills a
 block's pages in file order), so a cold read takes the ``preadv`` path, with its block read-ahead,
 instead of faulting its pages in one by one.
