@@ -93,9 +93,9 @@ def test_without_the_guarded_copy_no_shard_is_mapped(packed, monkeypatch):
 
 
 # Run in a subprocess: argv = dataset, shard, pristine copy of it, workers, rounds. Each round opens the
-# dataset while the shard is whole, then reads it in batches while a thread runs `cp PRISTINE SHARD`
-# over it again and again (each cp truncates the file, then writes it back), and lets the last cp finish
-# before the next open. Prints one JSON line: batches read, FormatErrors, their messages.
+# dataset while the shard is whole, then reads it in batches; from the first batch on, a thread runs
+# `cp PRISTINE SHARD` over it again and again (each cp truncates the file, then writes it back), and
+# lets the last cp finish before the next open. Prints one JSON line: batches, FormatErrors, messages.
 REWRITTEN = r"""
 import json, subprocess, sys, threading
 from reader import PackedDataset, make_loader
@@ -115,11 +115,11 @@ batches, errors, messages = 0, 0, set()
 for _ in range(rounds):
     ds = PackedDataset(path)
     loader = make_loader(ds, 16, num_workers=workers, order="sequential")
-    copying.set()
     try:
         for _ in range(3):
             for images, labels in loader:
                 batches += 1
+                copying.set()  # from the first batch on: the workers are reading ahead by then
     except FormatError as e:
         errors += 1
         message = str(e).strip().splitlines()[-1]  # from a worker: torch's wrapper, then the traceback
