@@ -431,7 +431,7 @@ def test_advise_over_several_shards_skips_only_the_scattered_one(tmp_path, page_
     monkeypatch.setattr(reader.shard_io, "MAX_READAHEAD_BLOCKS", 2)
     disk = ColdDisk(monkeypatch)
     ds.advise([0, 4, 8, 12, 13, 21])  # shard 0: three blocks (scattered); shard 1: one block; shard 2: one
-    shard_of_fd = {fd: shard for shard, fd in ds._files._fds.items()}
+    shard_of_fd = {entry.fd: shard for shard, entry in ds._files._open.items()}
     assert sorted({shard_of_fd[fd] for fd, _, _ in disk.advice}) == [1, 2]
     by_shard = {s: {b for fd, offset, length in disk.advice if shard_of_fd[fd] == s
                     for b in range(offset, offset + length)} for s in (1, 2)}

@@ -123,13 +123,16 @@ class LmdbShardWriter(ShardWriter):
         starts = np.array(self._chunk_starts, dtype=np.int64)
         chunk_of = np.searchsorted(starts, np.arange(len(table)), "right") - 1
         chunk_offset = np.empty(len(starts), dtype=np.int64)
-        map_addr = mapping_address(self.tmp_path)
+        mappings = FileMappings(self.tmp_path)
         with self._env.begin(buffers=True) as txn:
             for k, first in enumerate(starts.tolist()):
                 view = txn.get(record_key(first))
                 if view is None:
                     raise RuntimeError(f"{self.tmp_path}: chunk {first} was committed but LMDB does not find it")
-                chunk_offset[k] = np.frombuffer(view, dtype=np.uint8).ctypes.data - map_addr - within[first]
+                offset = mappings.file_offset(np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view))
+                if offset is None:
+                    raise RuntimeError(f"{self.tmp_path}: LMDB's map of chunk {first} not found in /proc/self/maps")
+                chunk_offset[k] = offset - within[first]
             first_chunk = txn.get(record_key(0)) if len(table) else None
             first_bytes = bytes(first_chunk[: int(nbytes[0])]) if first_chunk is not None else b""
         offsets = (chunk_offset[chunk_of] + within).astype(np.uint64) if len(table) else np.zeros(0, np.uint64)
@@ -157,15 +160,40 @@ class LmdbShardWriter(ShardWriter):
             self._closed = True
 
 
-def mapping_address(path: Path) -> int:
-    """Where LMDB mapped ``path`` in this process (py-lmdb does not report it; Linux tells)."""
-    inode = os.stat(path).st_ino
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            if len(fields) >= 6 and int(fields[4]) == inode and int(fields[2], 16) == 0:
-                return int(fields[0].split("-")[0], 16)
-    raise RuntimeError(f"{path}: LMDB mapping not found in /proc/self/maps")
+class FileMappings:
+    """Where this process maps one file, read from ``/proc/self/maps`` (py-lmdb does not report where
+    LMDB mapped a file; Linux does).
+
+    The same file can be mapped several times (LMDB's map, the reader's own mapping of a shard it
+    read, a hard link of it in a merged dataset), so an address is resolved by the mapping that
+    *contains* it, never by the first mapping of the file. The maps are read when an address is not in
+    a mapping found before, and only up to the mapping that holds it (the kernel writes the file as it
+    is read: each line costs). A read-only LMDB environment never moves its map.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        st = os.stat(path)
+        self._key = f" {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} {st.st_ino} "
+        self._found: list[tuple[int, int, int]] = []  # (start, end, file offset of start)
+
+    def file_offset(self, address: int, length: int) -> int | None:
+        """The file offset of the ``length`` bytes at ``address``, or None if no single mapping of
+        the file holds them all."""
+        mapping = next((m for m in self._found if m[0] <= address < m[1]), None) or self._find(address)
+        if mapping is None or address + length > mapping[1]:
+            return None
+        return address - mapping[0] + mapping[2]
+
+    def _find(self, address: int) -> tuple[int, int, int] | None:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if self._key in line:
+                    span, _, offset = line.split(maxsplit=3)[:3]
+                    start, end = (int(a, 16) for a in span.split("-"))
+                    if start <= address < end:
+                        self._found.append((start, end, int(offset, 16)))
+                        return self._found[-1]
+        return None
 
 
 def check_lmdb_meta(path: str | os.PathLike, file_size: int, shown: Path) -> None:
@@ -199,15 +227,16 @@ def check_lmdb_meta(path: str | os.PathLike, file_size: int, shown: Path) -> Non
             )
 
 
-def bounded_value(view: memoryview, map_address: int, file_size: int, shown: Path, what: str) -> bytes:
+def bounded_value(view: memoryview, mappings: FileMappings, file_size: int, shown: Path, what: str) -> bytes:
     """Copy an LMDB value (a zero-copy view into the map) only when it lies inside the file.
 
-    A damaged node can claim a value longer than the file: copying it would touch pages past the end
-    (``SIGBUS``). ``map_address`` is where the map starts (``mapping_address``).
+    A damaged node can claim a value longer than the file, or on pages past its end: copying it would
+    touch pages past the end (``SIGBUS``). ``mappings`` says where the file is mapped.
     """
-    start = np.frombuffer(view, dtype=np.uint8).ctypes.data - map_address if len(view) else 0
-    if start < 0 or start + len(view) > file_size:
-        raise FormatError(f"{shown}: {what} lies outside the file ({len(view)} bytes at offset {start}); "
+    start = mappings.file_offset(np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view)) if len(view) else 0
+    if start is None or start + len(view) > file_size:
+        where = "outside LMDB's map" if start is None else f"at offset {start}"
+        raise FormatError(f"{shown}: {what} lies outside the file ({len(view)} bytes {where}); "
                           "the LMDB shard is damaged")
     return bytes(view)
 
@@ -216,10 +245,10 @@ class _CheckedValues:
     """Reads from one read transaction of a checked shard: values copied only from inside the file
     (``bounded_value``), LMDB errors as ``FormatError`` naming the shard (``_checked_values``)."""
 
-    def __init__(self, txn: lmdb.Transaction, map_address: int, file_size: int, shown: Path) -> None:
+    def __init__(self, txn: lmdb.Transaction, mappings: FileMappings, file_size: int, shown: Path) -> None:
         self._txn = txn
         self._cursor = txn.cursor()
-        self._map_address = map_address
+        self._mappings = mappings
         self._file_size = file_size
         self._shown = shown
 
@@ -228,7 +257,7 @@ class _CheckedValues:
         view = self._txn.get(key)
         if view is None:
             return None
-        return bounded_value(memoryview(view), self._map_address, self._file_size, self._shown, what)
+        return bounded_value(memoryview(view), self._mappings, self._file_size, self._shown, what)
 
     def record_key_from(self, index: int) -> int | None:
         """The first record key at or after record ``index`` (as a number), or None."""
@@ -249,7 +278,7 @@ def _checked_values(path: str | os.PathLike, file_size: int, shown: Path) -> Ite
         raise FormatError(f"{shown}: cannot be opened as an LMDB shard ({e})") from None
     try:
         with env.begin(buffers=True) as txn:
-            yield _CheckedValues(txn, mapping_address(Path(path)), file_size, shown)
+            yield _CheckedValues(txn, FileMappings(path), file_size, shown)
     except lmdb.Error as e:
         raise FormatError(f"{shown}: the LMDB shard is damaged ({e})") from None
     finally:

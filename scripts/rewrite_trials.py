@@ -1,0 +1,61 @@
+"""A shard rewritten in place under a reading loop, many times: how each run ended (issue 23 item 5).
+
+    python scripts/rewrite_trials.py [--trials 20] [--workers 0] [--rounds 12] [--reader DIR]
+
+Each trial is one subprocess running the suite's loop (``tests/test_mapped_copy.py``, ``REWRITTEN``):
+``--rounds`` times, open a 160-record raw LMDB dataset, read it in batches with ``--workers`` loader
+workers while a thread runs ``cp PRISTINE SHARD`` over one shard again and again. Prints how the runs
+ended: ``ok`` followed by the kinds of ``FormatError`` met, or ``rc -7`` for a process killed by
+SIGBUS (``rc 1``: a worker killed by it, which the loader reports as a ``RuntimeError``). ``--reader``
+runs another checkout's ``reader`` package (a directory holding ``reader/``), for before/after figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from reader_helpers import make_images, pack_images  # noqa: E402
+from test_mapped_copy import REWRITTEN  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--reader", type=Path, default=ROOT, help="directory holding the reader package to run")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        packed = pack_images(Path(tmp) / "packed", make_images(160, [(64, 64)]), [i % 3 for i in range(160)],
+                             storage="lmdb", encoding="raw", records_per_shard=80)
+        shard = sorted(packed.path.glob("*.lmdb"))[0]
+        pristine = Path(tmp) / "pristine"
+        pristine.write_bytes(shard.read_bytes())
+        env = dict(os.environ, PYTHONPATH=str(args.reader.resolve()))
+        outcomes: Counter[str] = Counter()
+        for _ in range(args.trials):
+            done = subprocess.run([sys.executable, "-c", REWRITTEN, str(packed.path), str(shard), str(pristine),
+                                   str(args.workers), str(args.rounds)],
+                                  capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+            if done.returncode:
+                outcomes[f"rc {done.returncode}"] += 1
+                continue
+            seen = json.loads(done.stdout.splitlines()[-1])
+            kinds = sorted({message.split(": ", 1)[1].split(" (")[0][:40] for message in seen["messages"]})
+            outcomes["ok: " + "; ".join(kinds)] += 1
+    print(f"reader {args.reader}, {args.workers} workers, {args.trials} trials of {args.rounds} rounds:")
+    for outcome, count in outcomes.most_common():
+        print(f"  {count:4d}  {outcome}")
+
+
+if __name__ == "__main__":
+    main()
