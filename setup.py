@@ -1,8 +1,8 @@
 """Build the two optional C extensions (everything else is in setup.cfg).
 
-``packer._jpeg_region`` needs a C compiler and libjpeg-turbo's headers (Debian/Ubuntu: ``libjpeg-dev``).
+``packer.image._jpeg_region`` needs a C compiler and libjpeg-turbo's headers (Debian/Ubuntu: ``libjpeg-dev``).
 Where either is missing the build of the extension fails quietly (``optional=True``) and the packer
-decodes whole JPEGs instead: the same pixels, slower (``packer/jpeg_region.py``).
+decodes whole JPEGs instead: the same pixels, slower (``packer/image/jpeg_region.py``).
 
 ``reader._guarded_copy`` needs only a C compiler: without it the reader reads warm records with
 ``preadv`` instead of copying them from a mapping: the same bytes, slower (``reader/mapped_copy.py``).
@@ -11,7 +11,7 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("packer._jpeg_region", ["packer/_jpeg_region.c"], libraries=["jpeg"], optional=True),
+        Extension("packer.image._jpeg_region", ["packer/image/_jpeg_region.c"], libraries=["jpeg"], optional=True),
         Extension("reader._guarded_copy", ["reader/_guarded_copy.c"], optional=True),
     ]
 )

@@ -5,14 +5,14 @@ inspect (``info``, ``class_counts``), look at (``show``) or check (``verify``) a
 on the command line."""
 from packer.appending import append
 from packer.errors import PackError
-from packer.inspection import DatasetInfo, class_counts, info
 from packer.items import pack_items
 from packer.joining import join_datasets
 from packer.merging import merge_parts
 from packer.options import PackOptions
 from packer.packing import pack
-from packer.showing import show
-from packer.verification import VerifyReport, verify
+from packer.tools.inspection import DatasetInfo, class_counts, info
+from packer.tools.showing import show
+from packer.tools.verification import VerifyReport, verify
 from packer.version import __version__
 
 __all__ = [

@@ -10,7 +10,7 @@ and new shards replaces the old one in one atomic rename, the last step: a reade
 meanwhile sees the old dataset or the new one, never a mix, and an interrupted append leaves the old
 dataset intact; rerunning the same command finishes it.
 
-Exactly once: the append holds the dataset's writer lock (``packer.locking``) from reading the manifest to
+Exactly once: the append holds the dataset's writer lock (``packer.run.locking``) from reading the manifest to
 swapping it, and records in the manifest (``source.appended[].id``) a fingerprint of what it added: the
 scanned source (paths, labels, fields, each file's size and modification time). The staging directory
 is named after it too (``.append-GGGG-<id>``). A rerun that finds its fingerprint in the manifest took
@@ -31,17 +31,17 @@ from typing import Any, Mapping
 
 import xxhash
 
-from packer.cleanup import cleaned_up_on_failure
-from packer.destination import unwritable
 from packer.errors import PackError
+from packer.image.transforms import DEFAULT_MAX_FILE_BYTES
 from packer.joining import reconciled_classes
-from packer.journal import plan_fingerprint
-from packer.labels_file import read_label_rows
-from packer.locking import writer_lock
 from packer.options import DEFAULT_SHARD_SIZE, PackOptions
 from packer.packing import pack
-from packer.sources import is_class_index, reads_as_indices, scan_source
-from packer.transforms import DEFAULT_MAX_FILE_BYTES
+from packer.run.cleanup import cleaned_up_on_failure
+from packer.run.destination import unwritable
+from packer.run.journal import plan_fingerprint
+from packer.run.locking import writer_lock
+from packer.source.labels_file import read_label_rows
+from packer.source.scan import is_class_index, reads_as_indices, scan_source
 from packer.version import __version__
 from reader.format import MANIFEST_NAME, FormatError, Manifest, ShardInfo, load_manifest
 from reader.format.durable import fsync_directory

@@ -17,21 +17,21 @@ from pathlib import Path
 import click
 
 from packer.appending import append
-from packer.cleanup import Terminated, sigterm_raises
 from packer.errors import PackError
-from packer.inspection import DatasetInfo, class_counts, describe_transform, info
+from packer.image.resampling import RESAMPLERS
+from packer.image.transforms import TransformSpec
 from packer.joining import join_datasets
-from packer.labels_file import declare_field
 from packer.merging import merge_parts
 from packer.options import PackOptions
 from packer.packing import ON_ERROR, pack
-from packer.partitions import Part, parse_part
-from packer.ray_runner import ray_runner
-from packer.resampling import RESAMPLERS
-from packer.showing import show
-from packer.sources import LABEL_KINDS
-from packer.transforms import TransformSpec
-from packer.verification import verify
+from packer.run.cleanup import Terminated, sigterm_raises
+from packer.run.partitions import Part, parse_part
+from packer.run.ray_runner import ray_runner
+from packer.source.labels_file import declare_field
+from packer.source.scan import LABEL_KINDS
+from packer.tools.inspection import DatasetInfo, class_counts, describe_transform, info
+from packer.tools.showing import show
+from packer.tools.verification import verify
 from packer.version import __version__
 from reader.format import ENCODINGS, MANIFEST_NAME, STORAGES, FormatError, Manifest, load_manifest
 from reader.format.fields import FieldSpec, printable
@@ -80,7 +80,7 @@ class ImageSize(click.ParamType):
 
 
 class PartOption(click.ParamType):
-    """``I/N`` or ``slurm`` (``packer.partitions.parse_part``), checked before anything is read."""
+    """``I/N`` or ``slurm`` (``packer.run.partitions.parse_part``), checked before anything is read."""
 
     name = "I/N|slurm"
 
@@ -110,7 +110,7 @@ class CommaSeparated(click.ParamType):
 
 
 class FieldDeclaration(click.ParamType):
-    """``NAME:TYPE``, ``NAME:vector:LENGTH`` or ``NAME:labels:CLASS,...`` (``packer.labels_file``)."""
+    """``NAME:TYPE``, ``NAME:vector:LENGTH`` or ``NAME:labels:CLASS,...`` (``packer.source.labels_file``)."""
 
     name = "NAME:TYPE"
 
@@ -334,7 +334,7 @@ def bench_command(dataset: Path, baseline: Path | None, orders: list[str], worke
                   epochs: int, model_ms: float | None, cold: bool, plot: Path | None,
                   as_json: bool) -> None:
     """Time reading DATASET per epoch: images/s, MB/s, first-batch latency, worker memory."""
-    from packer import bench
+    from packer.tools import bench
 
     # Checked before any epoch is timed: time.sleep fails on inf/nan only after the first batch, and a
     # plot's missing folder only after the whole run.

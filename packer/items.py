@@ -29,18 +29,18 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from packer.cleanup import cleaned_up_on_failure
-from packer.destination import check_destination, remove_own_files
 from packer.errors import PackError
-from packer.journal import PlanRecord
-from packer.labels_file import declared_fields
-from packer.locking import claimed_destination
 from packer.merging import write_manifest
 from packer.options import PackOptions
 from packer.packing import check_on_error, worker_count
-from packer.partitions import Partition
-from packer.pipeline import PackSettings, PartitionTask, pack_partitions
-from packer.sources import display_name
+from packer.run.cleanup import cleaned_up_on_failure
+from packer.run.destination import check_destination, remove_own_files
+from packer.run.journal import PlanRecord
+from packer.run.locking import claimed_destination
+from packer.run.partitions import Partition
+from packer.run.worker_pool import PackSettings, PartitionTask, pack_partitions
+from packer.source.labels_file import declared_fields
+from packer.source.scan import display_name
 from reader.format import Manifest
 from reader.format.fields import FieldSpec, infer_spec
 

@@ -21,10 +21,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from packer.cleanup import cleaned_up_on_failure
-from packer.destination import check_destination, remove_own_files
 from packer.errors import PackError
-from packer.locking import claimed_destination
+from packer.run.cleanup import cleaned_up_on_failure
+from packer.run.destination import check_destination, remove_own_files
+from packer.run.locking import claimed_destination
 from packer.version import __version__
 from reader.format import Manifest, ShardInfo, load_manifest, shard_file_name
 from reader.format.durable import fsync_directory

@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from packer.cleanup import cleaned_up_on_failure
-from packer.destination import PLAN_NAME, remove_own_files
 from packer.errors import PackError
-from packer.journal import PartRecord, PlanRecord, part_problem
-from packer.locking import writer_lock
+from packer.run.cleanup import cleaned_up_on_failure
+from packer.run.destination import PLAN_NAME, remove_own_files
+from packer.run.journal import PartRecord, PlanRecord, part_problem
+from packer.run.locking import writer_lock
 from reader.format import MANIFEST_NAME, Manifest
 from reader.format.fields import FieldSpec
 

@@ -13,8 +13,8 @@ import dataclasses
 from typing import Any, Mapping
 
 from packer.errors import PackError
-from packer.resampling import default_resampler
-from packer.transforms import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS, TransformSpec
+from packer.image.resampling import default_resampler
+from packer.image.transforms import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS, TransformSpec
 from packer.version import __version__
 from reader.format import STORAGES, Manifest
 
@@ -27,11 +27,11 @@ class PackOptions:
     """How a dataset is packed.
 
     ``storage``: the shard container (``lmdb``, ``hdf5``). ``resize``, ``crop``: an int (shorter side /
-    square) or ``(height, width)``, as torchvision (``packer.transforms``). ``encoding``: ``raw`` or
+    square) or ``(height, width)``, as torchvision (``packer.image.transforms``). ``encoding``: ``raw`` or
     ``jpeg``; ``quality``: the JPEG quality (used by ``jpeg`` only; the CLI refuses ``--quality`` without
     it). ``shard_size``: each shard's payload bytes at most. ``max_pixels``, ``max_file_bytes``: larger
     images or source files are refused. ``resampler``: ``pil`` or ``torch``; None is
-    ``packer.resampling``'s default for this install. Raises ``PackError`` naming the first setting that
+    ``packer.image.resampling``'s default for this install. Raises ``PackError`` naming the first setting that
     is out of range.
     """
 
@@ -85,7 +85,7 @@ class PackOptions:
             raise PackError(str(e)) from None
 
     def fingerprint(self) -> dict[str, Any]:
-        """What these options add to a pack's fingerprint (``packer.journal.plan_fingerprint``)."""
+        """What these options add to a pack's fingerprint (``packer.run.journal.plan_fingerprint``)."""
         return {"storage": self.storage, "shard_size": self.shard_size,
                 "transform": dataclasses.asdict(self.transform)}
 

@@ -1,8 +1,8 @@
 """``pack()``: an image folder (or CSV list) in, a finished packed dataset out.
 
-Steps: check DST, scan the source into an ordered plan, cut it into partitions (``packer.partitions``),
+Steps: check DST, scan the source into an ordered plan, cut it into partitions (``packer.run.partitions``),
 keep the partitions a previous run finished (checked by checksum), pack the others on every core, each
-partition encoded and written into its own shards by one process (``pipeline``), and write
+partition encoded and written into its own shards by one process (``packer.run.worker_pool``), and write
 ``manifest.json`` last (``merging``). The output is byte-identical for a given partition count whatever
 ``workers`` is and in whatever order the partitions finish. With ``part`` only one task's share of the
 partitions is packed, and ``merge_parts`` writes the manifest once every task is done.
@@ -17,8 +17,11 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from packer.cleanup import cleaned_up_on_failure
-from packer.destination import (
+from packer.errors import PackError
+from packer.merging import write_manifest
+from packer.options import PackOptions
+from packer.run.cleanup import cleaned_up_on_failure
+from packer.run.destination import (
     PLAN_NAME,
     check_destination,
     create_destination,
@@ -26,15 +29,12 @@ from packer.destination import (
     remove_files,
     remove_own_files,
 )
-from packer.errors import PackError
-from packer.journal import PartRecord, PlanRecord, part_problem, plan_fingerprint
-from packer.labels_file import declared_fields
-from packer.locking import claimed_destination
-from packer.merging import write_manifest
-from packer.options import PackOptions
-from packer.partitions import Part, Partition, cut, default_partition_count, expected_record_bytes, parse_part
-from packer.pipeline import PackSettings, PartitionTask, pack_partitions
-from packer.sources import Plan, class_name, scan_source
+from packer.run.journal import PartRecord, PlanRecord, part_problem, plan_fingerprint
+from packer.run.locking import claimed_destination
+from packer.run.partitions import Part, Partition, cut, default_partition_count, expected_record_bytes, parse_part
+from packer.run.worker_pool import PackSettings, PartitionTask, pack_partitions
+from packer.source.labels_file import declared_fields
+from packer.source.scan import Plan, class_name, scan_source
 from packer.version import __version__
 from reader.format import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from reader.format.fields import FieldSpec
@@ -71,17 +71,17 @@ def pack(
     ``(height, width)`` as torchvision, the CLI's ``WxH`` is width first). ``workers`` defaults to every
     core; 0 or 1 packs in this process.
     ``on_error="skip"`` leaves unreadable images out (listed in the manifest) instead of failing.
-    ``partitions`` overrides the default partition count (``packer.partitions``). An interrupted pack
+    ``partitions`` overrides the default partition count (``packer.run.partitions``). An interrupted pack
     resumes when rerun with the same arguments, keeping the partitions already finished.
 
     ``part`` (``"I/N"``, ``"slurm"`` or a ``Part``) packs only task I's share of the partitions and returns
     None; once every task is done, ``packer.merge_parts(dst)`` writes the manifest. ``runner`` packs the
-    partition tasks instead of the local process pool (``packer.ray_runner``). Source files over
+    partition tasks instead of the local process pool (``packer.run.ray_runner``). Source files over
     ``max_file_bytes`` (or not regular files) are per-file errors; ``label_kind`` (``auto``, ``index``,
-    ``name``) says how a CSV's labels are read (``packer.sources``). A failed or interrupted pack (a full
-    disk, SIGINT, SIGTERM) leaves no temporary file of its own (``packer.cleanup``). ``labels`` may also be
+    ``name``) says how a CSV's labels are read (``packer.source.scan``). A failed or interrupted pack (a full
+    disk, SIGINT, SIGTERM) leaves no temporary file of its own (``packer.run.cleanup``). ``labels`` may also be
     a JSON Lines file, and a labels file's other columns or keys are stored as each record's fields
-    (``packer.labels_file``), typed by ``fields`` where given (``{"emb": "vector:128", "tags": "labels"}``
+    (``packer.source.labels_file``), typed by ``fields`` where given (``{"emb": "vector:128", "tags": "labels"}``
     or ``FieldSpec``s, each under its own name), inferred otherwise. Every record also keeps its source
     path. ``base_classes`` come first, keeping their ids, and the source's other classes follow (what
     ``packer.append`` needs to extend a dataset's classes without relabelling). Raises ``PackError`` on bad

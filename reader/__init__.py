@@ -9,11 +9,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from reader.augment import BatchAugment
     from reader.dataset import PackedDataset
-    from reader.gpu_dataset import GPUDataset
+    from reader.gpu.augment import BatchAugment
+    from reader.gpu.gpu_dataset import GPUDataset
+    from reader.gpu.prefetcher import CUDAPrefetcher
     from reader.loader import make_loader
-    from reader.prefetcher import CUDAPrefetcher
     from reader.sampler import ShardSampler
     from reader.splits import split
     from reader.step_timer import StepTimer
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
                "make_loader", "split"]
 
 _HOMES = {
-    "BatchAugment": "reader.augment",
-    "CUDAPrefetcher": "reader.prefetcher",
-    "GPUDataset": "reader.gpu_dataset",
+    "BatchAugment": "reader.gpu.augment",
+    "CUDAPrefetcher": "reader.gpu.prefetcher",
+    "GPUDataset": "reader.gpu.gpu_dataset",
     "PackedDataset": "reader.dataset",
     "ShardSampler": "reader.sampler",
     "StepTimer": "reader.step_timer",

@@ -53,11 +53,11 @@ class PackedDataset(Dataset):
     """Records of a packed dataset as ``(uint8 tensor [3, H, W], int label)`` pairs.
 
     ``fast_decode`` (JPEG datasets only) uses libjpeg-turbo's fast DCT and chroma upsampling: about 8%
-    faster, within about 2 grey levels of an accurate decode (see ``reader.decode``). ``max_gap`` is the
+    faster, within about 2 grey levels of an accurate decode (see ``reader.format.jpeg_decode``). ``max_gap`` is the
     largest hole in the file (bytes) that a single read spans to join two requested records.
 
     ``decode_threads`` (JPEG datasets only) decodes each batch on that many threads of the reading
-    process (``reader.decode_threads``), with TurboJPEG, which releases the GIL (``reader.decode``).
+    process (``reader.decode_threads``), with TurboJPEG, which releases the GIL (``reader.format.jpeg_decode``).
     The default, 1, decodes on the calling thread with simplejpeg: on a machine where the DataLoader's
     worker processes already fill the cores, threads add nothing (measured in the README).
 

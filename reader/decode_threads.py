@@ -1,6 +1,6 @@
 """``DecodeThreads``: a batch's JPEG decodes spread over threads of the process that reads it.
 
-Why: with a decoder that releases the GIL (``reader.decode.releases_gil``), threads of one process
+Why: with a decoder that releases the GIL (``reader.format.jpeg_decode.releases_gil``), threads of one process
 decode in parallel straight into the rows of one batch buffer, so one DataLoader worker can use
 several cores without another process, another batch in flight, or another copy. The pool starts on
 first use in each process (threads do not survive ``fork``, and a pickled dataset carries only the

@@ -31,7 +31,7 @@ import PIL
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import packer  # noqa: E402
-from packer.resampling import RESAMPLERS, default_resampler  # noqa: E402
+from packer.image.resampling import RESAMPLERS, default_resampler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from packer.transforms import _decode, center_crop_box, resize_and_crop, resize_target, to_rgb  # noqa: E402
+from packer.image.transforms import _decode, center_crop_box, resize_and_crop, resize_target, to_rgb  # noqa: E402
 
 RESIZE, CROP = 256, 224
 

@@ -214,7 +214,7 @@ def test_an_append_whose_resampler_differs_is_refused_before_packing_anything(
     """A dataset resized by pillow-simd; then plain Pillow replaces it (as ``pip install torchvision``
     does): the append says which library resizes here and which resized the dataset, and packs nothing."""
     first = folder(tmp_path / "a", {"cat": 2}, seed=1)
-    monkeypatch.setattr(PIL, "__version__", "12.1.1.post0")  # pillow-simd, as packer.resampling tells it
+    monkeypatch.setattr(PIL, "__version__", "12.1.1.post0")  # pillow-simd, as packer.image.resampling tells it
     packer.pack(first, tmp_path / "ds", resize=12, resampler="pil", workers=0, progress=False)
     before = sorted(os.listdir(tmp_path / "ds"))
     monkeypatch.setattr(PIL, "__version__", "12.1.1")  # plain Pillow

@@ -92,7 +92,7 @@ def _state(pid: int) -> str:
 HOLD_EXCLUSIVE = """
 import sys, time
 from pathlib import Path
-from packer.locking import exclusive_file_lock
+from packer.run.locking import exclusive_file_lock
 with exclusive_file_lock(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(120)
@@ -101,7 +101,7 @@ TRY_EXCLUSIVE = """
 import sys
 from pathlib import Path
 from packer.errors import PackError
-from packer.locking import exclusive_file_lock
+from packer.run.locking import exclusive_file_lock
 try:
     with exclusive_file_lock(Path(sys.argv[1])):
         print("taken")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from reader.augment import BatchAugment, normalization_affine, seeded_generator
+from reader.gpu.augment import BatchAugment, normalization_affine, seeded_generator
 
 MEAN_01, STD_01 = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 MEAN_255, STD_255 = (123.675, 116.28, 103.53), (58.395, 57.12, 57.375)

@@ -8,9 +8,9 @@ from typing import Callable
 
 from click.testing import CliRunner
 
-from packer import bench
 from packer.cli import main
-from packer.transforms import TransformSpec
+from packer.image.transforms import TransformSpec
+from packer.tools import bench
 from reader import PackedDataset
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-import reader.gpu_dataset as gpu_dataset
-from reader.gpu_dataset import GPUDataset
-from reader.prefetcher import CUDAPrefetcher
+import reader.gpu.gpu_dataset as gpu_dataset
+from reader.gpu.gpu_dataset import GPUDataset
+from reader.gpu.prefetcher import CUDAPrefetcher
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -172,7 +172,7 @@ def test_explicit_ranks_split_one_permutation(images: torch.Tensor) -> None:
 
 
 def test_takes_one_augmentation_object(images: torch.Tensor) -> None:
-    from reader.augment import BatchAugment
+    from reader.gpu.augment import BatchAugment
 
     augment = BatchAugment(MEAN, STD, crop=(6, 7))
     resident = GPUDataset(FakePackedDataset(images, [3, 12, 14]), "cpu", batch_size=4, augment=augment)

@@ -18,7 +18,7 @@ from PIL import Image
 
 import packer
 from packer.errors import PackError
-from packer.sources import MAX_INDEX_CLASSES, scan_source
+from packer.source.scan import MAX_INDEX_CLASSES, scan_source
 
 CAFE = b"caf\xe9".decode("utf-8", "surrogateescape")  # a Latin-1 name, not UTF-8
 
@@ -61,7 +61,8 @@ def test_non_regular_source_files_fail_or_are_skipped(src: Path, tmp_path: Path,
 
 def test_a_fifo_swapped_in_after_the_scan_is_refused_when_read(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "late.png")
-    code = ("import sys; from packer.pipeline import encode_image; from packer.transforms import TransformSpec;"
+    code = ("import sys; from packer.run.worker_pool import encode_image; "
+            "from packer.image.transforms import TransformSpec;"
             "print(encode_image(sys.argv[1], TransformSpec()))")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "late.png")], capture_output=True,
                           text=True, timeout=60, env=subprocess_env())
@@ -82,7 +83,7 @@ def test_source_file_over_the_size_limit_is_refused(src: Path, tmp_path: Path) -
 def test_a_file_growing_while_it_is_read_is_read_whole_or_refused(tmp_path: Path, monkeypatch, limit: int) -> None:
     """fstat saw 40 bytes; the file has 500 by the time it is read (the race, staged by a smaller
     fstat): within the limit it is read whole, past it the file is refused."""
-    import packer.transforms as transforms
+    import packer.image.transforms as transforms
 
     path = tmp_path / "growing.bin"
     path.write_bytes(bytes(range(250)) * 2)

@@ -1,4 +1,4 @@
-"""The region decode (packer.jpeg_region): only the rectangle the resize reads is decoded, and the
+"""The region decode (packer.image.jpeg_region): only the rectangle the resize reads is decoded, and the
 records are exactly those of a whole decode and of plain PIL."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import simplejpeg
 from pack_helpers import reference_pixels, smooth_rgb
 from PIL import Image
 
-from packer import jpeg_region
-from packer.encoding import Failure, encode_image
-from packer.transforms import TransformSpec, load_image, load_record
+from packer.image import jpeg_region
+from packer.image.record import Failure, encode_image
+from packer.image.transforms import TransformSpec, load_image, load_record
 
 needs_region = pytest.mark.skipif(
-    not jpeg_region.available(), reason="packer._jpeg_region is not built (no compiler or libjpeg-turbo headers)"
+    not jpeg_region.available(), reason="packer.image._jpeg_region is not built (no compiler or libjpeg-turbo headers)"
 )
 
 # (width, height, save options): every chroma subsampling (4:4:0 and 4:1:1, which PIL does not write,

@@ -12,8 +12,8 @@ from PIL import Image
 
 import packer
 from packer.errors import PackError
-from packer.partitions import default_partition_count, expected_record_bytes
-from packer.transforms import TransformSpec
+from packer.image.transforms import TransformSpec
+from packer.run.partitions import default_partition_count, expected_record_bytes
 from reader.format import MANIFEST_NAME, load_manifest
 
 

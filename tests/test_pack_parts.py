@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from packer.cli import main
 from packer.errors import PackError
-from packer.partitions import Part, parse_part
+from packer.run.partitions import Part, parse_part
 from reader.format import MANIFEST_NAME
 
 PACK = ("--resize", "16", "--crop", "16", "--partitions", "5", "--shard-size", "2KB", "--quiet")

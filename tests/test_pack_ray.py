@@ -12,7 +12,7 @@ from pack_helpers import kill_a_writer
 
 import packer
 from packer.cli import main
-from packer.ray_runner import ray_runner
+from packer.run.ray_runner import ray_runner
 
 ray = pytest.importorskip("ray")
 

@@ -16,8 +16,8 @@ import pytest
 from pack_helpers import kill_a_worker
 
 import packer
-import packer.pipeline
-from packer.destination import PLAN_NAME
+import packer.run.worker_pool
+from packer.run.destination import PLAN_NAME
 from reader.format import MANIFEST_NAME
 
 # 12 images (6 per class), 4 partitions of 3 records, each partition two shards (2 + 1 records)
@@ -33,13 +33,13 @@ def src(tmp_path: Path, make_image_folder: Callable[..., Path]) -> Path:
 def count_encoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record which images the (in-process) pack encodes."""
     encoded: list[str] = []
-    original = packer.pipeline.encode_image
+    original = packer.run.worker_pool.encode_image
 
     def encode_image(path, spec):  # type: ignore[no-untyped-def]
         encoded.append(Path(path).name)
         return original(path, spec)
 
-    monkeypatch.setattr(packer.pipeline, "encode_image", encode_image)
+    monkeypatch.setattr(packer.run.worker_pool, "encode_image", encode_image)
     return encoded
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from reader.prefetcher import CUDAPrefetcher
+from reader.gpu.prefetcher import CUDAPrefetcher
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -18,7 +18,7 @@ from torch.utils.data import ConcatDataset, Subset
 import packer
 from packer.cli import main
 from packer.errors import PackError
-from packer.labels_file import declare_field
+from packer.source.labels_file import declare_field
 from reader import PackedDataset, make_loader
 from reader.format import DatasetWriter, FormatError, load_manifest
 from reader.format.fields import FieldSpec

@@ -13,10 +13,10 @@ from pack_helpers import raw_pixels, read_packed_records, reference_pixels, smoo
 from PIL import Image
 
 import packer
-import packer.resampling
+import packer.image.resampling
 from packer.cli import main
-from packer.resampling import default_resampler, is_pillow_simd
-from packer.transforms import TransformSpec, load_image, load_record
+from packer.image.resampling import default_resampler, is_pillow_simd
+from packer.image.transforms import TransformSpec, load_image, load_record
 from reader.format import encoding
 
 
@@ -86,9 +86,9 @@ def test_the_cli_takes_the_resampler_from_the_environment(
 
 def test_the_default_is_pil_with_pillow_simd_and_torch_with_plain_pillow(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PACKER_RESAMPLER", raising=False)
-    monkeypatch.setattr(packer.resampling.PIL, "__version__", "12.1.1.post0")
+    monkeypatch.setattr(packer.image.resampling.PIL, "__version__", "12.1.1.post0")
     assert default_resampler() == "pil"
-    monkeypatch.setattr(packer.resampling.PIL, "__version__", "12.1.1")
+    monkeypatch.setattr(packer.image.resampling.PIL, "__version__", "12.1.1")
     assert default_resampler() == "torch"
 
 

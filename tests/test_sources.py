@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from packer.errors import PackError
-from packer.sources import scan_source
+from packer.source.scan import scan_source
 
 
 def touch_image(path: Path) -> None:

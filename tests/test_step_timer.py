@@ -7,8 +7,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from reader.augment import BatchAugment
-from reader.prefetcher import CUDAPrefetcher
+from reader.gpu.augment import BatchAugment
+from reader.gpu.prefetcher import CUDAPrefetcher
 from reader.step_timer import StepTimer, StepTimerSummary
 
 SLEEP_S = 0.02

@@ -9,7 +9,7 @@ import pytest
 from pack_helpers import reference_pixels, smooth_rgb
 from PIL import Image, ImageOps
 
-from packer.transforms import (
+from packer.image.transforms import (
     TransformSpec,
     center_crop_box,
     load_image,

@@ -11,12 +11,12 @@ import simplejpeg
 from PIL import Image
 from reader_helpers import make_images, pack_images
 
-import reader.decode
-import reader.turbojpeg
+import reader.format.jpeg_decode
+import reader.format.turbojpeg
 from reader import PackedDataset
 from reader.format import FormatError
 
-needs_turbojpeg = pytest.mark.skipif(not reader.turbojpeg.available(),
+needs_turbojpeg = pytest.mark.skipif(not reader.format.turbojpeg.available(),
                                      reason="libturbojpeg0 is not installed")
 
 
@@ -39,7 +39,7 @@ def test_same_pixels_as_simplejpeg(photos, fast, subsampling):
         payload = jpeg(image, subsampling)
         expected = simplejpeg.decode_jpeg(payload, colorspace="RGB", fastdct=fast, fastupsample=fast)
         out = np.full(image.shape, 7, np.uint8)
-        reader.turbojpeg.decode_into(memoryview(payload), out, fast=fast)
+        reader.format.turbojpeg.decode_into(memoryview(payload), out, fast=fast)
         np.testing.assert_array_equal(out, expected)
 
 
@@ -48,19 +48,19 @@ def test_bad_bytes_and_wrong_size_raise_value_error(photos):
     payload = jpeg(photos[0], 2)
     out = np.empty(photos[0].shape, np.uint8)
     with pytest.raises(ValueError):
-        reader.turbojpeg.decode_into(memoryview(b"\0" * 64 + payload[64:]), out, fast=True)
+        reader.format.turbojpeg.decode_into(memoryview(b"\0" * 64 + payload[64:]), out, fast=True)
     with pytest.raises(ValueError):
-        reader.turbojpeg.decode_into(memoryview(payload[: len(payload) // 2]), out, fast=True)
+        reader.format.turbojpeg.decode_into(memoryview(payload[: len(payload) // 2]), out, fast=True)
     h, w, _ = photos[0].shape
     with pytest.raises(ValueError, match=f"decodes to {w}x{h}, the record table says {w + 1}x{h}"):
-        reader.turbojpeg.decode_into(memoryview(payload), np.empty((h, w + 1, 3), np.uint8), fast=True)
+        reader.format.turbojpeg.decode_into(memoryview(payload), np.empty((h, w + 1, 3), np.uint8), fast=True)
 
 
 @needs_turbojpeg
 def test_library_calls_release_the_gil():
     """ctypes releases the GIL around calls into a ``CDLL`` (a ``PyDLL`` would keep it); the speed
     this buys is measured by the benchmark, not asserted here."""
-    library = reader.turbojpeg._library()
+    library = reader.format.turbojpeg._library()
     assert isinstance(library, ctypes.CDLL) and not isinstance(library, ctypes.PyDLL)
 
 
@@ -68,9 +68,9 @@ def test_without_turbojpeg_threads_decode_with_simplejpeg(tmp_path, monkeypatch,
     packed = pack_images(tmp_path / "packed", photos, [0, 1, 0, 1], storage="lmdb", encoding="jpeg",
                          records_per_shard=10)
     with_library = PackedDataset(packed.path, decode_threads=2).read_batch([0, 1, 2, 3])[0]
-    monkeypatch.setattr(reader.turbojpeg, "available", lambda: False)
-    monkeypatch.setattr(reader.turbojpeg, "decode_into", None)
-    assert not reader.decode.releases_gil()
+    monkeypatch.setattr(reader.format.turbojpeg, "available", lambda: False)
+    monkeypatch.setattr(reader.format.turbojpeg, "decode_into", None)
+    assert not reader.format.jpeg_decode.releases_gil()
     without = PackedDataset(packed.path, decode_threads=2).read_batch([0, 1, 2, 3])[0]
     for a, b in zip(with_library, without):
         assert torch_equal(a, b)
@@ -83,8 +83,8 @@ def torch_equal(a, b) -> bool:
 @pytest.mark.parametrize("size", [[(24, 32)], [(24, 32), (17, 9)]], ids=["fixed", "variable"])
 def test_decode_threads_give_the_same_batch(tmp_path, size, monkeypatch):
     calls = []
-    real_decode = reader.turbojpeg.decode_into
-    monkeypatch.setattr(reader.turbojpeg, "decode_into",
+    real_decode = reader.format.turbojpeg.decode_into
+    monkeypatch.setattr(reader.format.turbojpeg, "decode_into",
                         lambda *a, **k: calls.append(1) or real_decode(*a, **k))
     images = make_images(19, size)
     packed = pack_images(tmp_path / "packed", images, [i % 3 for i in range(19)], storage="lmdb",
@@ -93,7 +93,7 @@ def test_decode_threads_give_the_same_batch(tmp_path, size, monkeypatch):
     one, labels_one = PackedDataset(packed.path).read_batch(order)
     three, labels_three = PackedDataset(packed.path, decode_threads=3).read_batch(order)
     assert labels_one.tolist() == labels_three.tolist()
-    assert len(calls) == (len(order) if reader.turbojpeg.available() else 0)
+    assert len(calls) == (len(order) if reader.format.turbojpeg.available() else 0)
     for a, b in zip(one, three):
         assert torch_equal(a, b)
 

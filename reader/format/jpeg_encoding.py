@@ -1,4 +1,4 @@
-"""``jpeg``: a baseline 4:2:0 JFIF JPEG of the RGB image, decoded by libjpeg-turbo (``reader.decode``)."""
+"""``jpeg``: a baseline 4:2:0 JFIF JPEG of the RGB image, decoded by libjpeg-turbo (``reader.format.jpeg_decode``)."""
 from __future__ import annotations
 
 import io
@@ -6,8 +6,8 @@ import io
 import numpy as np
 from PIL import Image
 
-from reader.decode import decode_jpeg_into
 from reader.format.encoding import Encoding
+from reader.format.jpeg_decode import decode_jpeg_into
 
 
 class JpegEncoding(Encoding):

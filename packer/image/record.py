@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from packer.transforms import ImageSource, SourceFileError, TransformSpec, load_record
+from packer.image.transforms import ImageSource, SourceFileError, TransformSpec, load_record
 
 
 class Encoded(NamedTuple):

@@ -23,8 +23,8 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 from reader.arguments import saved_position, whole_number
-from reader.augment import BatchAugment, augment_from, seeded_generator
 from reader.epoch_cursor import EpochCursor
+from reader.gpu.augment import BatchAugment, augment_from, seeded_generator
 from reader.ranks import rank_and_world_size
 
 Batch = tuple[torch.Tensor, ...] | dict[str, Any]  # a mapping with make_loader(fields=...)

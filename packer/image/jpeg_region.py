@@ -2,7 +2,7 @@
 
 With ``--resize 256 --crop 224`` a 4:3 photo loses a third of its columns to the crop (a 16:9 one
 nearly half), yet a whole decode reconstructs every pixel. The optional C extension
-``packer._jpeg_region`` (``setup.py``) has libjpeg-turbo reconstruct only a rectangle: columns outside
+``packer.image._jpeg_region`` (``setup.py``) has libjpeg-turbo reconstruct only a rectangle: columns outside
 it skip the inverse DCT, chroma upsampling and colour conversion, rows above and below it are only
 entropy-decoded. (The rows below are still read to the end of the data so that a file cut short or
 damaged there is refused exactly as a whole decode refuses it.) Measured here on the benchmark's
@@ -35,7 +35,7 @@ _checked: bool | None = None
 
 def _extension() -> Any:
     try:
-        from packer import _jpeg_region  # type: ignore[attr-defined]
+        from packer.image import _jpeg_region  # type: ignore[attr-defined]
     except ImportError:
         return None
     return _jpeg_region

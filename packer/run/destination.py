@@ -25,7 +25,7 @@ _SHARD = rf"(part-\d{{5,}}-)?shard-\d{{5,}}(?:{_SHARD_FILE})"  # shard-00000: da
 _OWN_FILE = re.compile(
     rf"({_SHARD}|\.part-\d{{5,}}\.json|{re.escape(MANIFEST_NAME)}|{re.escape(PLAN_NAME)}(\.[\w.-]+-\d+)?"
     r"|\.pack-journal\.json)(\.tmp)?"  # the journal: before partitions
-    r"|\.packer-lock(\.excl)?"  # the writer lock (packer.locking), never removed while a writer holds it
+    r"|\.packer-lock(\.excl)?"  # the writer lock (packer.run.locking), never removed while a writer holds it
 )
 _LOCK_FILE = re.compile(r"\.packer-lock(\.excl)?")
 # What a pack has in progress: a shard's temporaries (by its container's declared suffixes), a manifest,
@@ -47,7 +47,7 @@ def partition_shard_name(partition: int, shard: int, storage: str) -> str:
 
 
 def part_record_name(partition: int) -> str:
-    """The file that marks partition ``partition`` as finished (see ``packer.journal``)."""
+    """The file that marks partition ``partition`` as finished (see ``packer.run.journal``)."""
     return f".part-{partition:05d}.json"
 
 

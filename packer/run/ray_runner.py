@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from packer.errors import PackError
-from packer.journal import PartRecord
-from packer.malloc_tuning import reuse_large_allocations
-from packer.pipeline import PartitionTask, pack_partition
+from packer.run.journal import PartRecord
+from packer.run.malloc_tuning import reuse_large_allocations
+from packer.run.worker_pool import PartitionTask, pack_partition
 
 LOCAL = "local"
 TASK_RETRIES = 3

@@ -15,7 +15,7 @@ with its reason. File names need not be UTF-8: they are kept as Python reads the
 as surrogate escapes) to open the file, and written for people and the manifest with those bytes as
 ``\\xNN`` escapes (``display_name``), so a name never breaks the pack or the JSON.
 
-Labels file (``packer.labels_file``: a CSV of ``path,label`` rows, optionally with a header and more
+Labels file (``packer.source.labels_file``: a CSV of ``path,label`` rows, optionally with a header and more
 columns, or JSON Lines; blank lines ignored): paths relative to SRC and staying inside it, each listed
 once, rows kept in file order; the other columns or keys are the records' extra fields. ``label_kind``:
 ``index`` keeps integer labels as they are (``classes`` are the string forms of ``0..max``, at most
@@ -36,8 +36,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from packer.errors import PackError
-from packer.labels_file import field_specs, parse_values, read_label_rows
-from packer.transforms import DEFAULT_MAX_FILE_BYTES, IMAGE_EXTENSIONS
+from packer.image.transforms import DEFAULT_MAX_FILE_BYTES, IMAGE_EXTENSIONS
+from packer.source.labels_file import field_specs, parse_values, read_label_rows
 from reader.format import FormatError, load_manifest
 from reader.format.fields import FieldSpec
 
@@ -106,7 +106,7 @@ def scan_source(
     fields: Mapping[str, FieldSpec] | None = None,
 ) -> Plan:
     """The plan for ``src``: an ImageFolder tree, or the labels file ``labels`` (CSV or JSON Lines,
-    ``packer.labels_file``) when one is given, with its fields typed by ``fields`` where declared.
+    ``packer.source.labels_file``) when one is given, with its fields typed by ``fields`` where declared.
 
     ``exclude`` (the destination) is a folder left out of an ImageFolder scan.
     """

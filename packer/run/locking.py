@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from packer.destination import check_destination, create_destination
 from packer.errors import PackError
+from packer.run.destination import check_destination, create_destination
 from reader.format.fields import printable
 
 LOCK_NAME = ".packer-lock"

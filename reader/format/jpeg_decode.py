@@ -1,7 +1,7 @@
 """JPEG payloads decoded by libjpeg-turbo straight into a row of the caller's batch buffer.
 
 Two bindings of the same library: simplejpeg, which holds the GIL while it decodes, and the system's
-TurboJPEG through ctypes (``reader.turbojpeg``), which releases it so that threads of one process
+TurboJPEG through ctypes (``reader.format.turbojpeg``), which releases it so that threads of one process
 decode in parallel. Both decode to the same pixels for the same flags (``tests/test_turbojpeg.py``).
 A caller decoding on one thread gets simplejpeg: it is about 5% faster per image here (its bundled
 libjpeg-turbo 3 against the system's 2.1, and no ctypes calls); callers decoding on several threads
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import simplejpeg
 
-from reader import turbojpeg
+from reader.format import turbojpeg
 
 
 def releases_gil() -> bool:

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from packer.sources import scan_source
-from packer.transforms import TransformSpec, load_image
+from packer.image.transforms import TransformSpec, load_image
+from packer.source.scan import scan_source
 from reader import PackedDataset, StepTimer, make_loader
 
 

@@ -5,7 +5,7 @@
  * can skip most of that: jpeg_crop_scanline() limits the columns that are reconstructed, and
  * jpeg_skip_scanlines() the rows above and below the rectangle, which are only entropy-decoded (a file
  * damaged or cut short below the rectangle must still be refused as a whole decode refuses it). The
- * caller (packer/jpeg_region.py) asks for the rectangle the resize will read plus a margin, so the
+ * caller (packer/image/jpeg_region.py) asks for the rectangle the resize will read plus a margin, so the
  * pixels it reads are those of a whole decode: same library, same accurate integer DCT and smooth
  * ("fancy") upsampling as simplejpeg's defaults.
  *
@@ -28,7 +28,7 @@
 #include <jpeglib.h>
 
 #ifndef LIBJPEG_TURBO_VERSION
-#error "packer._jpeg_region needs libjpeg-turbo (jpeg_crop_scanline, jpeg_skip_scanlines)"
+#error "packer.image._jpeg_region needs libjpeg-turbo (jpeg_crop_scanline, jpeg_skip_scanlines)"
 #endif
 
 struct region_error {

@@ -24,9 +24,9 @@ from typing import Any
 
 import xxhash
 
-from packer.destination import PLAN_NAME, part_record_name
-from packer.partitions import Partition
-from packer.sources import Plan, Skipped
+from packer.run.destination import PLAN_NAME, part_record_name
+from packer.run.partitions import Partition
+from packer.source.scan import Plan, Skipped
 from reader.format import ShardInfo, file_checksum
 from reader.format.durable import fsync_directory, write_file_atomically
 

@@ -1,7 +1,7 @@
 """Packing partitions on every core: each process decodes, encodes AND writes whole partitions.
 
-A partition (``packer.partitions``) is packed start to finish by one process into its own shards
-(``part-PPPPP-shard-SSSSS``), then marked done by its part record (``packer.journal``). Nothing per
+A partition (``packer.run.partitions``) is packed start to finish by one process into its own shards
+(``part-PPPPP-shard-SSSSS``), then marked done by its part record (``packer.run.journal``). Nothing per
 record travels between processes except a progress count, so adding cores adds writers too.
 The result of a partition depends only on its records, so any number of processes, in any order,
 give the same bytes. With ``workers <= 1`` the partitions are packed one after the other in this
@@ -27,15 +27,15 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from packer.cleanup import leave_interrupts_to_the_parent
-from packer.destination import partition_shard_name
-from packer.encoding import Failure, encode_image
 from packer.errors import PackError
-from packer.journal import PartRecord
-from packer.malloc_tuning import reuse_large_allocations
-from packer.partitions import Partition
-from packer.sources import Skipped, display_name
-from packer.transforms import TransformSpec
+from packer.image.record import Failure, encode_image
+from packer.image.transforms import TransformSpec
+from packer.run.cleanup import leave_interrupts_to_the_parent
+from packer.run.destination import partition_shard_name
+from packer.run.journal import PartRecord
+from packer.run.malloc_tuning import reuse_large_allocations
+from packer.run.partitions import Partition
+from packer.source.scan import Skipped, display_name
 from reader.format import DatasetWriter
 from reader.format.fields import FieldSpec
 

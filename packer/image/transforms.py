@@ -8,7 +8,7 @@ Steps, in this order (recorded in the manifest's ``transform`` as ``steps``):
    is at least 2x smaller than the stored image. The target is computed from the image as displayed,
    so an EXIF rotation of 90/270 degrees swaps the requested width and height. JPEGs that PIL reads
    as RGB or L are decoded by libjpeg-turbo at that same scale (PIL's pixels, faster): only the
-   rectangle the resize and crop read where ``packer.jpeg_region`` is built and applies (the PIL
+   rectangle the resize and crop read where ``packer.image.jpeg_region`` is built and applies (the PIL
    resampler, a crop inside the image, no EXIF rotation), whole through simplejpeg otherwise; PIL
    decodes everything else, and any JPEG libjpeg-turbo reports a problem with.
 3. **exif_transpose**: apply the EXIF orientation tag (the transposes ``ImageOps.exif_transpose``
@@ -22,7 +22,7 @@ Steps, in this order (recorded in the manifest's ``transform`` as ``steps``):
      needs a PIL built with littlecms; without it a LAB file is reported as unreadable).
 5. **resize**, when asked: either the shorter side to N with the aspect kept (the longer side is
    ``int(N * long / short)``, as torchvision), or to exactly W x H; bilinear filter, antialiased when
-   downscaling (PIL's ``resize``). The ``resampler`` says who computes it (``packer.resampling``):
+   downscaling (PIL's ``resize``). The ``resampler`` says who computes it (``packer.image.resampling``):
    ``"pil"`` (the default with pillow-simd) or ``"torch"`` (the default with plain Pillow: torch's
    uint8 antialiased bilinear ``interpolate``, within one grey level of the PIL path, twice as fast
    as plain Pillow); the manifest records which, with its version.
@@ -51,8 +51,8 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-from packer import jpeg_region
-from packer.resampling import RESAMPLERS, resampler_library, torch_resize
+from packer.image import jpeg_region
+from packer.image.resampling import RESAMPLERS, resampler_library, torch_resize
 from reader.format import ENCODINGS, encoding
 from reader.format.raw_encoding import RawEncoding
 
@@ -100,7 +100,7 @@ class TransformSpec:
     ``crop``: None, an int (square) or ``(height, width)``: a center crop applied after the resize.
     ``max_pixels``: images larger than this are refused as decompression bombs.
     ``max_file_bytes``: source files larger than this are refused before they are read.
-    ``resampler``: ``"pil"`` or ``"torch"``, who computes the resize (``packer.resampling``).
+    ``resampler``: ``"pil"`` or ``"torch"``, who computes the resize (``packer.image.resampling``).
     """
 
     resize: int | tuple[int, int] | None = None
@@ -358,7 +358,7 @@ def _decode(
     A JPEG that PIL reads as RGB or L is decoded straight from its bytes by libjpeg-turbo, at exactly
     the scale PIL's ``draft`` would pick: the same pixels as PIL, without PIL's chunked decoding. When
     ``kept`` says the resize to ``target`` then reads only ``crop box`` of it (``_kept``), only the
-    source rectangle that reads is decoded (``packer.jpeg_region``, where it is built; the other pixels
+    source rectangle that reads is decoded (``packer.image.jpeg_region``, where it is built; the other pixels
     are never read); otherwise simplejpeg decodes it whole. Colour comes out as RGBX, PIL's own memory
     layout for RGB, wrapped without a copy; the caller turns it into RGB once the image is small. When
     libjpeg-turbo reports any problem with the data, PIL decodes it instead and has the last word on

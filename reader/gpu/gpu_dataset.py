@@ -19,9 +19,9 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 from reader.arguments import saved_position, true_or_false, whole_number
-from reader.augment import BatchAugment, augment_from, seeded_generator
 from reader.epoch_cursor import EpochCursor
-from reader.prefetcher import default_device
+from reader.gpu.augment import BatchAugment, augment_from, seeded_generator
+from reader.gpu.prefetcher import default_device
 from reader.ranks import rank_and_world_size, share_per_rank
 
 # Fraction of the free memory the resident dataset may take; the rest is left to the model.

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from packer.errors import PackError
-from packer.transforms import TransformSpec
+from packer.image.transforms import TransformSpec
 
 MIN_PARTITION_RECORDS = 64
 MIN_PARTITION_BYTES = 32 << 20

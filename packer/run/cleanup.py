@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from packer.destination import TEMPORARY_FILE
 from packer.errors import PackError
+from packer.run.destination import TEMPORARY_FILE
 
 # A write that fails while less than this is free counts as a full disk: a pack writes a record, an
 # LMDB commit (about 1 MiB of records) or a shard's table at a time, far less than this unless one

@@ -1,0 +1,1 @@
+"""What people run on a finished dataset: ``info``, ``verify``, ``show`` and ``bench``."""
