@@ -4,7 +4,7 @@ torch does not promise these names; they buy speed, never correctness. Should a 
 or remove one, ``detect()`` finds it missing and the code that uses it takes its fallback: the same
 batches, slower. Nothing else in the project touches a private torch name: ``reader.batch_memory``
 calls ``storage_references`` and ``shared_uint8``, and ``reader.loader`` subclasses ``HookedDataLoader``
-(tests/test_torch_hooks.py hides each hook in turn and reads the same batches).
+(tests/reader/test_torch_hooks.py hides each hook in turn and reads the same batches).
 
 - ``torch._C._storage_Use_Count`` (of a storage's ``_cdata``): knowing when no tensor uses a batch buffer
   any more, so that it is reused (``reader.batch_memory``). Fallback: buffers count as always in use,

@@ -2,7 +2,7 @@
 
     python scripts/rewrite_trials.py [--trials 20] [--workers 0] [--rounds 12] [--reader DIR]
 
-Each trial is one subprocess running the suite's loop (``tests/test_mapped_copy.py``, ``REWRITTEN``):
+Each trial is one subprocess running the suite's loop (``tests/reader/test_mapped_copy.py``, ``REWRITTEN``):
 ``--rounds`` times, open a 160-record raw LMDB dataset, read it in batches with ``--workers`` loader
 workers while a thread runs ``cp PRISTINE SHARD`` over one shard again and again. Prints how the runs
 ended: ``ok`` followed by the kinds of ``FormatError`` met, or ``rc -7`` for a process killed by
@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "reader")]
 
 from reader_helpers import make_images, pack_images  # noqa: E402
 from test_mapped_copy import REWRITTEN  # noqa: E402

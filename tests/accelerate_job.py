@@ -1,4 +1,4 @@
-"""Hugging Face accelerate with ``make_loader``, for tests/test_accelerate.py:
+"""Hugging Face accelerate with ``make_loader``, for tests/frameworks/test_accelerate.py:
 
     torchrun --nproc_per_node 2 accelerate_job.py DATASET OUT
 

@@ -5,7 +5,7 @@ the events that change the dataset directory (``os.rename``/``os.replace``, ``os
 ``os.mkdir``, ``shutil.rmtree`` and every ``open`` for writing, of a path inside it) and sends the
 process SIGKILL just before the N-th one happens: the manifest swap, a shard moved in, the staging
 directory removed, a temporary written. ``--workers 0`` keeps every write in that one process. Used by
-``tests/test_append_kills.py`` (a few points) and ``scripts/append_kills`` (every point, with figures).
+``tests/packer/test_append_kills.py`` (a few points) and ``scripts/append_kills`` (every point, with figures).
 """
 from __future__ import annotations
 

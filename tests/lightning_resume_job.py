@@ -1,4 +1,4 @@
-"""A Lightning training run interrupted mid-epoch twice and resumed, for tests/test_lightning_resume.py.
+"""A Lightning training run interrupted mid-epoch twice and resumed, for tests/frameworks/test_lightning_resume.py.
 
     python lightning_resume_job.py DATASET OUT WORLD              # WORLD 1
     torchrun --nproc_per_node 2 lightning_resume_job.py DATASET OUT 2

@@ -14,7 +14,7 @@ The pixels are those of a whole decode. The rectangle is the source box the PIL 
 of its centre) widened by ``MARGIN`` pixels, because libjpeg-turbo's smooth chroma upsampling treats
 the rectangle's own edge as an image edge: its outermost column can differ from a whole decode, and is
 never read. The pixels outside the rectangle are left unwritten and are never read either:
-``tests/test_jpeg_region.py`` decodes into buffers filled with 0 and with 255 and gets the same
+``tests/packer/test_jpeg_region.py`` decodes into buffers filled with 0 and with 255 and gets the same
 records as a whole decode, for every subsampling, progressive files, greyscale and reduced scales.
 
 Where the extension was not built (no compiler or no libjpeg-turbo headers), or its first decode does

@@ -2,7 +2,7 @@
 
 Two bindings of the same library: simplejpeg, which holds the GIL while it decodes, and the system's
 TurboJPEG through ctypes (``reader.format.turbojpeg``), which releases it so that threads of one process
-decode in parallel. Both decode to the same pixels for the same flags (``tests/test_turbojpeg.py``).
+decode in parallel. Both decode to the same pixels for the same flags (``tests/format/test_turbojpeg.py``).
 A caller decoding on one thread gets simplejpeg: it is about 5% faster per image here (its bundled
 libjpeg-turbo 3 against the system's 2.1, and no ctypes calls); callers decoding on several threads
 ask for ``release_gil`` and get TurboJPEG where ``libturbojpeg0`` is installed, simplejpeg elsewhere.

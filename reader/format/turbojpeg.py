@@ -6,7 +6,7 @@ in parallel, straight into rows of the batch buffer (no copy, no process boundar
 
 The system library (Debian/Ubuntu package ``libturbojpeg0``) is loaded on first use; where it is
 missing, ``available()`` is False and callers keep the simplejpeg path. Same flags as simplejpeg's
-``fastdct``/``fastupsample``, so the same pixels (``tests/test_turbojpeg.py`` compares them).
+``fastdct``/``fastupsample``, so the same pixels (``tests/format/test_turbojpeg.py`` compares them).
 """
 from __future__ import annotations
 

@@ -140,7 +140,7 @@ def test_the_sbatch_script_packs_one_array_task_each(tmp_path: Path, src: Path) 
     (shim / "packer").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m packer "$@"\n')
     (shim / "packer").chmod(0o755)
     dst = tmp_path / "parts"
-    script = Path(__file__).resolve().parent.parent / "scripts" / "pack.sbatch"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "pack.sbatch"
     for task in ("1", "2"):
         env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": task,
                "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "2"}

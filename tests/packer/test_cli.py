@@ -144,7 +144,7 @@ def test_bench_takes_comma_separated_orders_and_workers() -> None:
 
 
 def test_show_takes_negative_indices_and_names_one_out_of_range(tmp_path: Path) -> None:
-    fixture = Path(__file__).parent / "fixtures" / "v1-lmdb"  # 5 records, format version 1: no source paths
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "v1-lmdb"  # 5 records, format 1: no sources
     code, out, err = run("show", fixture, "-1", "0", "--out", tmp_path / "shown")
     assert code == 0, err
     assert out.splitlines() == [f"4: cat (source not stored) -> {tmp_path / 'shown' / 'record-00000004.png'}",

@@ -9,7 +9,7 @@ from pathlib import Path
 from ddp_helpers import run_job, torchrun
 from reader_helpers import make_images, write_dataset
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_classification.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_classification.py"
 TRAIN, VAL = 40, 13  # 20 a rank in batches of 4: 5 steps an epoch; 13 validation samples pad to 14
 JOB_TIMEOUT_S = 300
 

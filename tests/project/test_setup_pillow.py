@@ -15,7 +15,7 @@ from pathlib import Path
 import pip as pip_module
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
 
 

@@ -17,7 +17,7 @@ from reader import CUDAPrefetcher, PackedDataset, make_loader
 from reader.format import FormatError, container, load_manifest
 from reader.format.fields import FieldSpec
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 COUNT = 7
 
 

@@ -20,7 +20,7 @@ from reader_helpers import make_images, write_dataset
 pytest.importorskip("lightning")
 import lightning_resume_job  # noqa: E402  (after the import check)
 
-JOB = Path(__file__).with_name("lightning_resume_job.py")
+JOB = Path(__file__).resolve().parents[1] / "lightning_resume_job.py"
 COUNT = 20  # batches of 3: 7 a epoch on one rank (the last of 2), 4 on each of two (the last of 1)
 EPOCHS = 3
 JOB_TIMEOUT_S = 300

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUN = {"python": "python", "bash": "bash", "sh": "bash", "console": "console"}
 BLOCK_TIMEOUT_S = 180

@@ -22,7 +22,7 @@ from packer.cli import main
 from packer.errors import PackError
 from reader import PackedDataset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def folder(root: Path, classes: dict[str, int], seed: int, size: tuple[int, int] = (14, 18)) -> Path:

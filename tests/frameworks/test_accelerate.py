@@ -14,7 +14,7 @@ from reader_helpers import make_images, write_dataset
 
 pytest.importorskip("accelerate")
 
-JOB = Path(__file__).with_name("accelerate_job.py")
+JOB = Path(__file__).resolve().parents[1] / "accelerate_job.py"
 COUNT = 20  # 10 a rank: batches of 3, 3 and 3 and 1; 2 before the saved state
 JOB_TIMEOUT_S = 300
 

@@ -14,7 +14,7 @@ from torch.utils.data import dataloader as dataloader_module
 
 from reader import PackedDataset, make_loader, torch_hooks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Each case: the torch attributes a release might rename, and the hook detect() must then report missing.
 HIDDEN = {
