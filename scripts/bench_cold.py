@@ -3,7 +3,7 @@
     python scripts/bench_cold.py run --mnt MNT SET [SET ...] [--ffcv BETON] [--epochs 1] [--orders quasi_random,random]
         [--before CHECKOUT] [--mem SIZE]
 
-Each ``SET`` is a packed dataset on the slow disk (``/work/shared/tools/slowdisk up``, 100 MB/s, 200 read
+Each ``SET`` is a packed dataset on the slow disk (``../shared/tools/slowdisk up``, 100 MB/s, 200 read
 IOPS), written ``[LABEL=]PATH``. For each set: ``cat`` of its shard files under ``slowdisk run`` (the
 page cache dropped first): the disk's sequential rate; then, per order, a loader (batch 256, 2 workers)
 reading ``--epochs`` epochs under ``slowdisk run``. ``--before CHECKOUT`` runs another checkout's reader
@@ -30,8 +30,8 @@ from pathlib import Path
 
 BATCH = 256  # as bench_ffcv's loaders
 BLKIO = Path("/sys/fs/cgroup/blkio/slowdisk")
-SLOWDISK = os.environ.get("SLOWDISK", "/work/shared/tools/slowdisk")
 HERE = Path(__file__).resolve()
+SLOWDISK = os.environ.get("SLOWDISK", str(HERE.parents[2] / "shared" / "tools" / "slowdisk"))  # beside the checkout
 CAT = ["sh", "-c", 'cat "$@" > /dev/null', "cat"]  # the files follow
 
 
@@ -109,14 +109,16 @@ def run(args: argparse.Namespace) -> None:
                 env_path = checkout or str(HERE.parents[1])
                 command = ["env", f"PYTHONPATH={env_path}", python, str(HERE), "read", str(dataset),
                            "--order", order, "--epochs", str(args.epochs)]
-                rows.append(_row(f"{name}, {order}", command, device, args.mem, payload, shard_bytes, rate, len(files)))
+                rows.extend(_row(f"{name}, {order}", command, device, args.mem, payload, shard_bytes, rate, len(files)))
     if args.ffcv:
         beton = Path(args.ffcv)
         size = beton.stat().st_size
         seconds, nbytes, ios, _ = measured(CAT + [str(beton)], device)
         print(f"{beton.name}: {size / 1e6:,.1f} MB; cat cold {size / seconds / 1e6:.1f} MB/s", flush=True)
+        if not args.ffcv_python:
+            raise SystemExit("--ffcv needs --ffcv-python (or FFCV_PYTHON): the interpreter of FFCV's own venv")
         command = [args.ffcv_python, str(HERE), "ffcv", str(beton), "--epochs", str(args.epochs)]
-        rows.append(_row("FFCV 1.0.2, RANDOM os_cache", command, device, args.mem, payload, size,
+        rows.extend(_row("FFCV 1.0.2, RANDOM os_cache", command, device, args.mem, payload, size,
                          size / seconds, 1))
     print("\n| reader, order | epoch | img/s | s | first batch s | read MB | IOs | mean IO KiB | MB/s "
           "| x payload bound |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _row(name: str, command: list[str], device: str, mem: str | None, payload: int, shard_bytes: int,
-         rate: float, shards: int) -> dict:
+         rate: float, shards: int) -> list[dict]:
     """Run one reader (all its epochs in one process); the disk counters cover the whole run, so with
     several epochs they are shared out by what each epoch took (shown on the first row)."""
     seconds, nbytes, ios, out = measured(command, device, mem)
@@ -148,17 +150,7 @@ def _row(name: str, command: list[str], device: str, mem: str | None, payload: i
         print(f"  {name} epoch {epoch['epoch']}: {rows[-1]['img_s']:,.0f} img/s, {epoch['seconds']:.2f} s "
               f"({rows[-1]['x_bound']} the payload bound), first batch {epoch['first_batch_s']:.2f} s", flush=True)
     print(f"    disk: {nbytes / 1e6:,.0f} MB in {ios} IOs", flush=True)
-    return rows[0] if len(rows) == 1 else _merge(rows)
-
-
-def _merge(rows: list[dict]) -> dict:
-    merged = dict(rows[0])
-    for key in ("epoch", "img_s", "seconds", "first_batch_s", "x_bound"):
-        values = [r[key] for r in rows]
-        merged[key] = " / ".join(f"{v:,.0f}" if key == "img_s" else f"{v:.2f}" if isinstance(v, float) else str(v)
-                                 for v in values)
-    merged["img_s_values"] = [r["img_s"] for r in rows]
-    return merged
+    return rows
 
 
 def main() -> None:
@@ -171,7 +163,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--before")
     p.add_argument("--ffcv")
-    p.add_argument("--ffcv-python", default="/work/ffcv-venv/bin/python")
+    p.add_argument("--ffcv-python", default=os.environ.get("FFCV_PYTHON"),
+                   help="FFCV's venv interpreter [$FFCV_PYTHON]")
     p.add_argument("--mem")
     p.add_argument("--json")
     for name in ("read", "ffcv"):

@@ -1,6 +1,6 @@
 """One writer at a time on a dataset directory: ``writer_lock(dst)``.
 
-Every command that changes a dataset (``pack`` into DST, ``pack --append``, ``merge DST``, ``merge OUT A
+Every command that changes a dataset (``pack`` into DST, ``pack --append``, ``merge DST``, ``join OUT A
 B``) holds an exclusive lock on ``DST/.packer-lock`` while it works. A second writer does not wait: it is
 refused at once with one line naming the holder (pid, host, command), which the holder writes into the
 lock file. Readers never take the lock: they see the old manifest or the new one, never a mix.
