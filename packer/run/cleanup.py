@@ -70,11 +70,18 @@ def _disk_full(error: BaseException, dst: Path) -> PackError | None:
     free = _free_bytes(dst)
     if error.errno not in (errno.ENOSPC, errno.EDQUOT) and (free is None or free >= NEARLY_FULL_BYTES):
         return None
-    where = error.filename or dst
+    where = error.filename if _inside(error.filename, dst) else dst  # a copy's error names its source
     reason = os.strerror(error.errno) if error.errno in (errno.ENOSPC, errno.EDQUOT) else error.strerror or str(error)
     space = "" if free is None else f", {free} bytes free"
     return PackError(f"{where}: the disk is full ({reason}{space}); temporary files were removed, the finished "
                      "shards kept: free some space and rerun the same command to resume")
+
+
+def _inside(filename: object, dst: Path) -> bool:
+    """Whether an error's ``filename`` is in ``dst`` (the full disk is DST's, not an input's)."""
+    if not isinstance(filename, (str, os.PathLike)):
+        return False
+    return Path(os.path.abspath(filename)).is_relative_to(os.path.abspath(dst))
 
 
 def _free_bytes(dst: Path) -> int | None:

@@ -168,3 +168,39 @@ def test_a_destination_that_cannot_be_written_is_refused_before_packing(
     assert not dst.exists()
     read_only(False)
     assert packer.pack(noisy_src, dst, workers=0, progress=False).num_records == 40
+
+
+def all_temporaries(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.endswith(TEMPORARY_SUFFIXES))
+
+
+def test_a_full_disk_during_append_is_one_line_and_the_dataset_stays_as_it_was(
+    noisy_src: Path, small_disk: Path, tmp_path: Path
+) -> None:
+    dst = small_disk / "packed"
+    subprocess.run(["mount", "-o", "remount,size=1m", str(small_disk)], check=True)
+    assert run_cli("pack", noisy_src, dst, "--shard-size", "100kB", "--workers", "0", "--quiet").returncode == 0
+    before = packer.verify(dst, deep=True, progress=False)
+    more = tmp_path / "more"  # 2 x 40 more incompressible images than the disk has room for
+    for copy in range(2):
+        for path in noisy_src.rglob("*.png"):
+            target = more / path.parent.name / f"{copy}-{path.name}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+    line = assert_one_line_error(run_cli("pack", more, dst, "--append", "--workers", "0", "--quiet"), str(dst))
+    assert "the disk is full" in line
+    assert all_temporaries(dst) == []
+    after = packer.verify(dst, deep=True, progress=False)
+    assert after.ok and after.records == before.records
+
+
+def test_a_full_disk_during_a_join_that_copies_is_one_line_and_leaves_nothing(
+    noisy_src: Path, small_disk: Path, tmp_path: Path
+) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"  # on another file system than the join's output: copied
+    for dataset in (a, b):
+        assert run_cli("pack", noisy_src, dataset, "--workers", "0", "--quiet").returncode == 0
+    out = small_disk / "joined"
+    line = assert_one_line_error(run_cli("join", out, a, b), str(out))
+    assert "the disk is full" in line
+    assert all_temporaries(small_disk) == [] and not (out / "manifest.json").exists()
