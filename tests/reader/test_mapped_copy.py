@@ -133,6 +133,39 @@ print(sorted(messages), file=sys.stderr)
 """
 
 
+# Run in a subprocess: argv = dataset, shard, pristine copy of it, workers, rounds. A thread runs
+# `cp PRISTINE SHARD` over the shard again and again, leaving it whole for a moment between copies; each
+# round opens the dataset afresh and reads its first batches, so the shard's record table is read (lazily,
+# in the process reading, or a loader worker) while the shard may be truncated under it. Prints one JSON
+# line: rounds read, FormatErrors, messages.
+REOPENED = r"""
+import json, random, subprocess, sys, threading, time
+from reader import PackedDataset, make_loader
+from reader.format import FormatError
+
+path, shard, pristine, workers, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+
+def rewrite():
+    while True:
+        subprocess.run(["cp", pristine, shard], check=True)
+        time.sleep(random.random() / 500)
+
+threading.Thread(target=rewrite, daemon=True).start()
+read, errors, messages = 0, 0, set()
+for _ in range(rounds):
+    try:
+        loader = make_loader(PackedDataset(path), 16, num_workers=workers, order="sequential")
+        for batch, _ in zip(loader, range(2 * workers + 1)):
+            pass
+        read += 1
+    except FormatError as e:
+        errors += 1
+        message = str(e).strip().splitlines()[-1]  # from a worker: torch's wrapper, then the traceback
+        messages.add(message.removeprefix("reader.format.errors.FormatError: ")[:200])
+print(json.dumps({"read": read, "errors": errors, "messages": sorted(messages)}))
+"""
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_shard_rewritten_in_place_while_read_is_a_format_error_never_sigbus(tmp_path, workers):
     images = make_images(160, [(64, 64)])
