@@ -47,16 +47,19 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=str(args.reader.resolve()))
         outcomes: Counter[str] = Counter()
         for _ in range(args.trials):
-            done = subprocess.run([sys.executable, "-c", REWRITTEN if args.loop == "read" else REOPENED, str(packed.path), str(shard), str(pristine),
+            loop = REWRITTEN if args.loop == "read" else REOPENED
+            done = subprocess.run([sys.executable, "-c", loop, str(packed.path), str(shard), str(pristine),
                                    str(args.workers), str(args.rounds)],
                                   capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
             if done.returncode:
                 outcomes[f"rc {done.returncode}"] += 1
                 continue
             seen = json.loads(done.stdout.splitlines()[-1])
-            kinds = sorted({re.sub(r"\d+", "N", message.split(": ", 1)[1].split(" (")[0][:40]) for message in seen["messages"]})
+            kinds = sorted({re.sub(r"\d+", "N", message.split(": ", 1)[1].split(" (")[0])[:40]
+                            for message in seen["messages"]})
             outcomes["ok: " + "; ".join(kinds)] += 1
-    print(f"reader {args.reader}, loop {args.loop}, {args.workers} workers, {args.trials} trials of {args.rounds} rounds:")
+    print(f"reader {args.reader}, loop {args.loop}, {args.workers} workers, "
+          f"{args.trials} trials of {args.rounds} rounds:")
     for outcome, count in outcomes.most_common():
         print(f"  {count:4d}  {outcome}")
 
