@@ -1,15 +1,17 @@
 """A shard rewritten in place under a reading loop, many times: how each run ended (issue 23 item 5).
 
-    python scripts/rewrite_trials.py [--trials 20] [--workers 0] [--rounds 12] [--loop read|open] [--reader DIR]
+    python scripts/rewrite_trials.py [--trials 20] [--workers 0] [--rounds 12] [--loop read|open]
+        [--storage lmdb|hdf5] [--reader DIR]
 
-Each trial is one subprocess running one of the suite's loops (``tests/reader/test_mapped_copy.py``):
-``--loop read`` (``REWRITTEN``): ``--rounds`` times, open a 160-record raw LMDB dataset, read it in
-batches with ``--workers`` loader workers while a thread runs ``cp PRISTINE SHARD`` over one shard again
-and again. ``--loop open`` (``REOPENED``): the copies run all the time, and each round opens the dataset
-afresh and reads its first batches, so the shard's record table is read while it may be truncated. Prints how the runs
-ended: ``ok`` followed by the kinds of ``FormatError`` met, or ``rc -7`` for a process killed by
-SIGBUS (``rc 1``: a worker killed by it, which the loader reports as a ``RuntimeError``). ``--reader``
-runs another checkout's ``reader`` package (a directory holding ``reader/``), for before/after figures.
+Each trial is one subprocess running one of the suite's loops (``tests/reader/test_mapped_copy.py``).
+``--loop read`` (``REWRITTEN``): ``--rounds`` times, open a 160-record raw dataset (``--storage``, LMDB
+by default), read it in batches with ``--workers`` loader workers while a thread runs ``cp PRISTINE
+SHARD`` over one shard again and again. ``--loop open`` (``REOPENED``): the copies run all the time, and
+each round opens the dataset afresh and reads its first batches, so the shard's record table is read
+while it may be truncated. Prints how the runs ended: ``ok`` followed by the kinds of ``FormatError``
+met, or ``rc -7`` for a process killed by SIGBUS (``rc 1``: a worker killed by it, which the loader
+reports as a ``RuntimeError``). ``--reader`` runs another checkout's ``reader`` package (a directory
+holding ``reader/``), for before/after figures.
 """
 from __future__ import annotations
 
@@ -36,12 +38,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--loop", choices=("read", "open"), default="read")
+    parser.add_argument("--storage", choices=("lmdb", "hdf5"), default="lmdb")
     parser.add_argument("--reader", type=Path, default=ROOT, help="directory holding the reader package to run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         packed = pack_images(Path(tmp) / "packed", make_images(160, [(64, 64)]), [i % 3 for i in range(160)],
-                             storage="lmdb", encoding="raw", records_per_shard=80)
-        shard = sorted(packed.path.glob("*.lmdb"))[0]
+                             storage=args.storage, encoding="raw", records_per_shard=80)
+        shard = sorted(packed.path.glob("*-shard-*"))[0]
         pristine = Path(tmp) / "pristine"
         pristine.write_bytes(shard.read_bytes())
         env = dict(os.environ, PYTHONPATH=str(args.reader.resolve()))
@@ -58,7 +61,7 @@ def main() -> None:
             kinds = sorted({re.sub(r"\d+", "N", message.split(": ", 1)[1].split(" (")[0])[:40]
                             for message in seen["messages"]})
             outcomes["ok: " + "; ".join(kinds)] += 1
-    print(f"reader {args.reader}, loop {args.loop}, {args.workers} workers, "
+    print(f"reader {args.reader}, {args.storage}, loop {args.loop}, {args.workers} workers, "
           f"{args.trials} trials of {args.rounds} rounds:")
     for outcome, count in outcomes.most_common():
         print(f"  {count:4d}  {outcome}")
