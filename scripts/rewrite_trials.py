@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,22 +50,44 @@ def main() -> None:
         pristine.write_bytes(shard.read_bytes())
         env = dict(os.environ, PYTHONPATH=str(args.reader.resolve()))
         outcomes: Counter[str] = Counter()
+        loop = REWRITTEN if args.loop == "read" else REOPENED
         for _ in range(args.trials):
-            loop = REWRITTEN if args.loop == "read" else REOPENED
-            done = subprocess.run([sys.executable, "-c", loop, str(packed.path), str(shard), str(pristine),
-                                   str(args.workers), str(args.rounds)],
-                                  capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
-            if done.returncode:
-                outcomes[f"rc {done.returncode}"] += 1
+            returncode, stdout, left_behind = run_trial([sys.executable, "-c", loop, str(packed.path), str(shard),
+                                                         str(pristine), str(args.workers), str(args.rounds)], env, tmp)
+            if returncode:
+                outcomes[f"rc {returncode}{left_behind}"] += 1
                 continue
-            seen = json.loads(done.stdout.splitlines()[-1])
+            seen = json.loads(stdout.splitlines()[-1])
             kinds = sorted({re.sub(r"\d+", "N", message.split(": ", 1)[1].split(" (")[0])[:40]
                             for message in seen["messages"]})
-            outcomes["ok: " + "; ".join(kinds)] += 1
+            outcomes["ok: " + "; ".join(kinds) + left_behind] += 1
     print(f"reader {args.reader}, {args.storage}, loop {args.loop}, {args.workers} workers, "
           f"{args.trials} trials of {args.rounds} rounds:")
     for outcome, count in outcomes.most_common():
         print(f"  {count:4d}  {outcome}")
+
+
+def run_trial(command: list[str], env: dict[str, str], cwd: str) -> tuple[int | str, str, str]:
+    """Run one trial in a session of its own; its return code (``"hang"`` after 10 minutes), stdout, and
+    ``", processes left behind"`` when processes of its session outlived it (then killed). Output goes to
+    a file, not a pipe: a loader worker orphaned by a main process killed by SIGBUS holds a pipe open
+    forever (torch's watchdog takes init for the parent when the parent died before the worker started
+    watching), so waiting for a pipe's end would hang."""
+    with tempfile.TemporaryFile("w+") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.DEVNULL, text=True, env=env, cwd=cwd,
+                                   start_new_session=True)
+        try:
+            returncode: int | str = process.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            returncode = "hang"
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+            left_behind = ", processes left behind"
+        except ProcessLookupError:
+            left_behind = ""
+        process.wait()
+        out.seek(0)
+        return returncode, out.read(), left_behind
 
 
 if __name__ == "__main__":
