@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import io
 import os
-import struct
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -25,6 +24,7 @@ import numpy as np
 
 from reader.format.container import Container, ShardWriter
 from reader.format.errors import FormatError
+from reader.format.lmdb_pages import check_lmdb_meta, paged_values
 from reader.format.records import parse_npy_array, parse_npy_table
 
 TABLE_KEY = b"~table"
@@ -36,15 +36,6 @@ ARRAY_KEY_PREFIX = b"~array/"
 # record, 1 MiB ones 0.06 (the whole pack 1.60 -> 1.45 ms an image); 256 KiB was no better.
 _COMMIT_BYTES = 1 << 20
 _INITIAL_MAP_SIZE = 1 << 30
-# Where LMDB's two meta pages keep what ``check_lmdb_meta`` reads (liblmdb 0.9, 64-bit): each page is a
-# 16-byte page header, then MDB_meta: magic, version, address, map size, two 48-byte MDB_db records
-# (the first one's md_pad is the page size), the last page number and the transaction id.
-_LMDB_MAGIC = 0xBEEFC0DE
-_LMDB_DATA_VERSION = 1
-_MAGIC_AT = 16
-_PAGE_SIZE_AT = 40
-_LAST_PAGE_AT = 136
-_META_END = 152
 
 
 def record_key(index: int) -> bytes:
@@ -196,37 +187,6 @@ class FileMappings:
         return None
 
 
-def check_lmdb_meta(path: str | os.PathLike, file_size: int, shown: Path) -> None:
-    """Refuse an LMDB file whose meta pages promise more pages than the file holds (or are not LMDB).
-
-    LMDB maps the file and trusts its meta page: a truncated file, or one whose meta names a last
-    page past the end, makes the first touch of a missing page a ``SIGBUS`` that kills the process.
-    LMDB itself only looks pages up below the last page of the meta it picks (the one with the
-    higher transaction id), so checking both metas against the file size keeps every page access
-    inside the file. ``path`` is opened without following links or blocking (it may be
-    ``/proc/self/fd/N`` of a checked file).
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        first = os.pread(fd, _META_END, 0)
-        page_size = struct.unpack_from("<I", first, _PAGE_SIZE_AT)[0] if len(first) == _META_END else 0
-        second = os.pread(fd, _META_END, page_size) if page_size else b""
-    finally:
-        os.close(fd)
-    for number, page in enumerate((first, second)):
-        if len(page) < _META_END:
-            raise FormatError(f"{shown}: not an LMDB shard (too short for its meta pages)")
-        magic, version = struct.unpack_from("<II", page, _MAGIC_AT)
-        if magic != _LMDB_MAGIC or version != _LMDB_DATA_VERSION:
-            raise FormatError(f"{shown}: not an LMDB shard (meta page {number} is damaged)")
-        last_page = struct.unpack_from("<Q", page, _LAST_PAGE_AT)[0]
-        if page_size < 512 or page_size & (page_size - 1) or (last_page + 1) * page_size > file_size:
-            raise FormatError(
-                f"{shown}: LMDB meta page {number} describes {last_page + 1} pages of {page_size} bytes "
-                f"but the file has {file_size} bytes (truncated or damaged)"
-            )
-
-
 def bounded_value(view: memoryview, mappings: FileMappings, file_size: int, shown: Path, what: str) -> bytes:
     """Copy an LMDB value (a zero-copy view into the map) only when it lies inside the file.
 
@@ -266,6 +226,10 @@ class _CheckedValues:
         key = bytes(self._cursor.key())
         return int.from_bytes(key, "big") if len(key) == 8 and key < ARRAY_KEY_PREFIX else None
 
+    def keys_from(self, first: bytes) -> list[bytes]:
+        """Every key at or after ``first``, in order."""
+        return [bytes(key) for key in self._cursor.iternext(values=False)] if self._cursor.set_range(first) else []
+
 
 @contextmanager
 def _checked_values(path: str | os.PathLike, file_size: int, shown: Path) -> Iterator[_CheckedValues]:
@@ -287,9 +251,10 @@ def _checked_values(path: str | os.PathLike, file_size: int, shown: Path) -> Ite
 
 def read_lmdb_table(path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
     """The record table of the LMDB shard at ``path`` (named ``shown`` in errors), checked before
-    anything is mapped or allocated: meta pages inside the file, the value inside the file, an
-    ``.npy`` header of the record-table dtype and ``records`` rows."""
-    with _checked_values(path, os.stat(path).st_size, shown) as values:
+    anything is allocated: meta pages inside the file, the value inside the file, an ``.npy`` header of
+    the record-table dtype and ``records`` rows. Read with ``pread`` (``reader.format.lmdb_pages``),
+    never through a map, so a shard truncated under the reader is a ``FormatError``, not ``SIGBUS``."""
+    with paged_values(path, os.stat(path).st_size, shown) as values:
         blob = values.get(TABLE_KEY, "record table")
     if blob is None:
         raise FormatError(f"{shown}: LMDB shard has no record table (key {TABLE_KEY!r})")
@@ -310,7 +275,7 @@ class LmdbContainer(Container):
         self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str]
     ) -> dict[str, np.ndarray]:
         arrays = {}
-        with _checked_values(path, file_size, shown) as values:
+        with paged_values(path, file_size, shown) as values:
             for name in names:
                 blob = values.get(array_key(name), f"array {name}")
                 if blob is None:
@@ -325,9 +290,18 @@ class LmdbContainer(Container):
         copied only from inside the file), cut in the table's ``nbytes``. Chunk ``k`` holds records
         ``k`` up to the next record key, so a one-record-per-value shard (format versions 1-2) reads
         the same way; a record no key covers is None, and a chunk whose length is not its records'
-        sum gives pieces that differ from the bytes at the table's offsets."""
+        sum gives pieces that differ from the bytes at the table's offsets.
+
+        First, the table and every array (each key from ``ARRAY_KEY_PREFIX`` on) as LMDB's API gives
+        them must be the bytes the readers' page walk (``reader.format.lmdb_pages``) finds under the
+        same key: a ``FormatError`` naming the value where they differ."""
         nbytes = table["nbytes"].tolist()
-        with _checked_values(path, file_size, shown) as values:
+        with _checked_values(path, file_size, shown) as values, paged_values(path, file_size, shown) as paged:
+            for key in values.keys_from(ARRAY_KEY_PREFIX):
+                what = "record table" if key == TABLE_KEY else f"value {key!r}"
+                if values.get(key, what) != paged.get(key, what):
+                    raise FormatError(f"{shown}: {what}: LMDB's lookup and the readers' page walk (pread) give "
+                                      "different bytes (the LMDB shard is damaged)")
             index = 0
             while index < len(nbytes):
                 first = values.record_key_from(index)

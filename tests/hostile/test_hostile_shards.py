@@ -143,3 +143,48 @@ def test_hdf5_tables_in_other_files_are_refused(tmp_path: Path, make_packed_data
         "virtual dataset": relink_table(virtual_dataset, "virtual dataset"),
         "a compressed table of a million rows": compressed_table_bomb,
     }))
+
+
+def damage_lmdb(edit: Callable[[bytearray, int, int], None], *words: str) -> Callable[[Path], tuple[str, ...]]:
+    """Damage the first shard's B-tree with ``edit(data, node, page_size)``, ``node`` being where the
+    leaf node of the record table starts (its key ``~table`` is 8 bytes on)."""
+    def damage(dst: Path) -> tuple[str, ...]:
+        shard = first_shard(dst)
+        data = bytearray(shard.read_bytes())
+        assert data.count(b"\x06\x00~table") == 1
+        edit(data, data.index(b"\x06\x00~table") - 6, int.from_bytes(data[40:44], "little"))
+        shard.write_bytes(bytes(data))
+        return (shard.name, *words)
+    return damage
+
+
+def table_size(data: bytearray, node: int, page_size: int) -> None:
+    data[node:node + 4] = b"\xff\xff\xff\x7f"  # 2 GiB
+
+
+def table_page(data: bytearray, node: int, page_size: int) -> None:
+    data[node + 14:node + 22] = (1 << 40).to_bytes(8, "little")
+
+
+def root_page(data: bytearray, node: int, page_size: int) -> None:
+    for meta in (0, page_size):  # md_root of the main database, in both meta pages
+        data[meta + 128:meta + 136] = (int.from_bytes(data[meta + 136:meta + 144], "little") + 3).to_bytes(8, "little")
+
+
+def overflow_number(data: bytearray, node: int, page_size: int) -> None:
+    first = int.from_bytes(data[node + 14:node + 22], "little") * page_size
+    data[first:first + 8] = (7).to_bytes(8, "little")
+
+
+def test_lmdb_trees_pointing_outside_the_file_are_refused_by_the_page_walk(
+    tmp_path: Path, make_packed_dataset: Callable[..., Path]
+) -> None:
+    """The record table is looked up with ``pread`` (``reader.format.lmdb_pages``): every page and value
+    it would read is checked against the meta page's last page first, every page's own number too."""
+    dst = make_packed_dataset(tmp_path, per_class=30, storage="lmdb", resize=16, crop=16, shard_size=10**6)
+    assert_all_refused(damaged_copies(dst, {
+        "the table's size past the file": damage_lmdb(table_size, "past the last page", "damaged"),
+        "the table's overflow page past the file": damage_lmdb(table_page, "past the last page", "damaged"),
+        "the root page past the last page": damage_lmdb(root_page, "past the last page", "damaged"),
+        "an overflow page numbered as another": damage_lmdb(overflow_number, "is numbered 7", "damaged"),
+    }))

@@ -133,18 +133,66 @@ print(sorted(messages), file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_shard_rewritten_in_place_while_read_is_a_format_error_never_sigbus(tmp_path, workers):
+# Run in a subprocess: argv = dataset, shard, pristine copy of it, workers, rounds. A thread runs
+# `cp PRISTINE SHARD` over the shard again and again, leaving it whole for a moment between copies; each
+# round opens the dataset afresh and reads its first batches, so the shard's record table is read (lazily,
+# in the process reading, or a loader worker) while the shard may be truncated under it. Prints one JSON
+# line: rounds read, FormatErrors, messages.
+REOPENED = r"""
+import json, random, subprocess, sys, threading, time
+from reader import PackedDataset, make_loader
+from reader.format import FormatError
+
+path, shard, pristine, workers, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+
+def rewrite():
+    while True:
+        subprocess.run(["cp", pristine, shard], check=True)
+        time.sleep(random.random() / 500)
+
+threading.Thread(target=rewrite, daemon=True).start()
+read, errors, messages = 0, 0, set()
+for _ in range(rounds):
+    try:
+        loader = make_loader(PackedDataset(path), 16, num_workers=workers, order="sequential")
+        for batch, _ in zip(loader, range(2 * workers + 1)):
+            pass
+        read += 1
+    except FormatError as e:
+        errors += 1
+        message = str(e).strip().splitlines()[-1]  # from a worker: torch's wrapper, then the traceback
+        messages.add(message.removeprefix("reader.format.errors.FormatError: ")[:200])
+print(json.dumps({"read": read, "errors": errors, "messages": sorted(messages)}))
+"""
+
+
+def run_rewritten(tmp_path, loop: str, workers: int, rounds: int) -> tuple[str, dict]:
+    """Run ``loop`` (``REWRITTEN`` or ``REOPENED``) on a 160-record raw LMDB dataset in two shards, the
+    first one rewritten; the shard's path and the loop's JSON line. A SIGBUS fails the test (rc -7)."""
     images = make_images(160, [(64, 64)])
     packed = pack_images(tmp_path / "packed", images, [i % 3 for i in range(160)], storage="lmdb",
                          encoding="raw", records_per_shard=80)
     shard = sorted(packed.path.glob("*.lmdb"))[0]
     pristine = tmp_path / "pristine"
     pristine.write_bytes(shard.read_bytes())
-    done = subprocess.run([sys.executable, "-c", REWRITTEN, str(packed.path), str(shard), str(pristine),
-                           str(workers), "12"], capture_output=True, text=True, timeout=240, env=subprocess_env())
+    done = subprocess.run([sys.executable, "-c", loop, str(packed.path), str(shard), str(pristine), str(workers),
+                           str(rounds)], capture_output=True, text=True, timeout=240, env=subprocess_env())
     assert done.returncode == 0, f"rc {done.returncode}: {done.stderr[-3000:]}"
-    seen = json.loads(done.stdout.splitlines()[-1])
+    return str(shard), json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_rewritten_in_place_while_read_is_a_format_error_never_sigbus(tmp_path, workers):
+    shard, seen = run_rewritten(tmp_path, REWRITTEN, workers, 12)
     assert seen["errors"] > 0, seen
     assert all(message.startswith(f"{shard}: ") and "changed" in message or "truncated" in message
                or "shrank" in message for message in seen["messages"]), seen
+
+
+@pytest.mark.parametrize("workers, rounds", [(0, 30), (2, 8)])
+def test_a_shard_rewritten_while_its_table_is_read_is_a_format_error_never_sigbus(tmp_path, workers, rounds):
+    """The record table is read when a process first needs the shard (mid-epoch), with ``pread``: a
+    shard truncated under that read gives a ``FormatError`` naming it, where LMDB's map gave SIGBUS."""
+    shard, seen = run_rewritten(tmp_path, REOPENED, workers, rounds)
+    assert seen["read"] + seen["errors"] == rounds and seen["errors"] > 0, seen
+    assert all(message.startswith(f"{shard}: ") for message in seen["messages"]), seen
