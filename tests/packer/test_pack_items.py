@@ -156,4 +156,7 @@ packer.pack_items(items(), {str(tmp_path / "out")!r}, workers=2, partition_size=
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=40)
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1] == "ValueError: the stream broke"
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+    # no temporary and no manifest; a partition a worker finished before it saw the stop may stay (the
+    # module docstring: the next run removes it)
+    left = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert not [name for name in left if name.endswith((".tmp", ".spool")) or name == "manifest.json"], left
