@@ -8,6 +8,7 @@ through ``say``, which escapes what a terminal would obey.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -359,8 +360,11 @@ def bench_command(dataset: Path, baseline: Path | None, orders: list[str], worke
         click.echo(bench.format_table(results))
 
 
-_SET_BY_DST = ("fields", "storage", "resize", "crop", "encoding", "quality", "force", "max_pixels",
-                       "partitions", "part", "ray_address", "resampler")
+# --append packs with DST's own PackOptions: every option that sets one is refused, but for those an append
+# may choose (they decide how the new shards are cut, not what a record is), and so are DST-wide ones.
+_APPEND_CHOOSES = ("shard_size", "max_file_bytes")
+_SET_BY_DST = tuple(field.name for field in dataclasses.fields(PackOptions) if field.name not in _APPEND_CHOOSES) \
+    + ("fields", "force", "partitions", "part", "ray_address")
 
 
 def _append_command(src: Path, dst: Path, labels: Path | None, label_kind: str, workers: int | None,

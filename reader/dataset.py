@@ -59,7 +59,7 @@ class PackedDataset(Dataset):
     ``decode_threads`` (JPEG datasets only) decodes each batch on that many threads of the reading
     process (``reader.decode_threads``), with TurboJPEG, which releases the GIL (``reader.format.jpeg_decode``).
     The default, 1, decodes on the calling thread with simplejpeg: on a machine where the DataLoader's
-    worker processes already fill the cores, threads add nothing (measured in the README).
+    worker processes already fill the cores, threads add nothing (measured in BENCHMARKS.md).
 
     ``block_bytes`` (default 8 MiB) sets the dataset's block layout (``reader.blocks``, see
     ``block_starts``): the blocks ``ShardSampler`` shuffles in quasi-random order and, with ``readahead``

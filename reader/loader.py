@@ -253,7 +253,7 @@ def make_loader(
     contiguous share of the dataset, padded to the same number of samples (so the same number of
     batches: no DDP hang); ``indices`` (int64) are the samples' positions in ``dataset`` and ``valid``
     (bool) is False for the padding, so that sums of ``metric * valid`` over all ranks count every
-    sample exactly once (README, "Evaluation with DDP").
+    sample exactly once (docs/reading.md, "Evaluation with DDP").
 
     ``fields`` (names of the dataset's extra fields, and ``"source"`` for the source paths): batches
     become mappings ``{"image", "label", <each field>}`` (plus ``"index"``, ``"valid"`` with

@@ -7,7 +7,7 @@ it skip the inverse DCT, chroma upsampling and colour conversion, rows above and
 entropy-decoded. (The rows below are still read to the end of the data so that a file cut short or
 damaged there is refused exactly as a whole decode refuses it.) Measured here on the benchmark's
 ImageNet-like photos (``scripts/bench_pack.py``), where the rectangle is 63% of the pixels on average:
-0.86 -> 0.79 ms of CPU an image for the decode, -0.06 ms for the whole pack (README, Benchmarks).
+0.86 -> 0.79 ms of CPU an image for the decode, -0.06 ms for the whole pack (BENCHMARKS.md, Packing).
 
 The pixels are those of a whole decode. The rectangle is the source box the PIL resize reads
 (``transforms.resize_and_crop``: every output pixel reads its source within ``support = max(scale, 1)``

@@ -1,6 +1,6 @@
 """Which library resizes: PIL where it is pillow-simd, torch's uint8 antialiased bilinear otherwise.
 
-The pre-transform's resize is PIL's bilinear, antialiased filter. pillow-simd (the README's set-up)
+The pre-transform's resize is PIL's bilinear, antialiased filter. pillow-simd (what ``scripts/setup_env`` installs)
 runs it with AVX2 and is the fastest here. A plain ``pip install`` gets plain Pillow, whose resize is
 2-3x slower; torch, already a dependency, has a SIMD uint8 antialiased bilinear ``interpolate`` on
 channels-last tensors that was built to match PIL. Measured on 300 ImageNet-like photos, shorter side
