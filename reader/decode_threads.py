@@ -3,8 +3,8 @@
 Why: with a decoder that releases the GIL (``reader.format.jpeg_decode.releases_gil``), threads of one process
 decode in parallel straight into the rows of one batch buffer, so one DataLoader worker can use
 several cores without another process, another batch in flight, or another copy. The pool starts on
-first use in each process (threads do not survive ``fork``, and a pickled dataset carries only the
-thread count), and the calling thread decodes its share too.
+first use in each process (threads do not survive ``fork``), and the calling thread decodes its share
+too.
 """
 from __future__ import annotations
 
@@ -22,9 +22,6 @@ class DecodeThreads:
         self.threads = whole_number("decode_threads", threads, 1)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid: int | None = None
-
-    def __getstate__(self) -> dict:
-        return {"threads": self.threads, "_pool": None, "_pool_pid": None}
 
     def run(self, decode: Callable[[int], None], count: int) -> None:
         """Decode all ``count`` items, the k-th thread taking items k, k + threads, ...; the first

@@ -15,6 +15,7 @@ in the main process (``reader.batch_memory``), so no batch pays for fresh pages.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 from typing import Any, Callable, Iterator, Sequence, cast
 
@@ -286,7 +287,7 @@ def make_loader(
         view,
         batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead),
         collate_fn=hand_over,
-        worker_init_fn=enable_handoff,
+        worker_init_fn=start_worker,
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=(2 if prefetch_factor is None else prefetch_factor) if workers > 0 else None,
@@ -295,6 +296,20 @@ def make_loader(
         multiprocessing_context=multiprocessing_context,
         fields=fields,
     )
+
+
+def start_worker(worker_id: int) -> None:
+    """``worker_init_fn`` of ``make_loader``: hand batches over (``enable_handoff``) and freeze the
+    objects the worker starts with (``gc.freeze``).
+
+    Why freeze: a worker starts with torch's ~170,000 objects (inherited under fork, imported under
+    spawn). A full collection walks them all, about 0.1 s on a slow core, once every few hundred
+    batches as the worker's own short-lived objects are promoted: a pause longer than the whole prefetch
+    queue, so the training loop waited for one batch once an epoch (``scripts/bench_scale.py``'s gap
+    column). Frozen objects are skipped by collections; the worker's own garbage is still collected.
+    """
+    enable_handoff(worker_id)
+    gc.freeze()
 
 
 def lookahead_samples(dataset: Dataset, buffer_blocks: int) -> int:

@@ -39,14 +39,22 @@ class PackedView(Dataset):
 
     def __init__(self, source: Dataset) -> None:
         self.source = source
+        self._source_name = _name(source)
         parts, part_of, record_of = _resolve(source)
         self.parts: list[PackedDataset] = parts
         self._identity = len(parts) == 1 and record_of is None
         self._length = len(part_of)
-        # per position: part and record; None for a whole single part (the identity), so that the view
-        # a worker receives holds nothing per record
-        self._part_of = None if self._identity else part_of
-        self._record_of = None if self._identity else record_of
+        # per position: [part, record]; None for a whole single part (the identity)
+        self._located = None if record_of is None else torch.from_numpy(np.stack([part_of, record_of]))
+
+    def __getstate__(self) -> dict:
+        """Everything but ``source`` (the given dataset; a ``Subset``'s index list is O(records)): a
+        worker reads through ``parts`` and the position table, moved to shared memory first so that a
+        spawned worker receives a handle to it, not a copy (torch's reductions for multiprocessing).
+        The worker's copy has ``source`` None."""
+        if self._located is not None and not self._located.is_shared():
+            self._located.share_memory_()
+        return {**self.__dict__, "source": None}
 
     def __len__(self) -> int:
         return self._length
@@ -125,17 +133,18 @@ class PackedView(Dataset):
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         if pos.size and (pos.min() < 0 or pos.max() >= len(self)):
             bad = pos[(pos < 0) | (pos >= len(self))][0]
-            raise IndexError(f"position {bad} is out of range for {len(self)} records of {_name(self.source)}")
-        if self._identity:
+            raise IndexError(f"position {bad} is out of range for {len(self)} records of {self._source_name}")
+        if self._located is None:
             return np.zeros(len(pos), np.int64), pos
-        part_of, record_of = self._positions()
-        return part_of[pos], record_of[pos]
+        located = self._located.numpy()[:, pos]
+        return located[0], located[1]
 
     def _positions(self) -> tuple[np.ndarray, np.ndarray]:
         """``(part, record)`` of every position (made on the fly for the identity)."""
-        if self._part_of is None or self._record_of is None:
+        if self._located is None:
             return np.zeros(len(self), np.int64), np.arange(len(self), dtype=np.int64)
-        return self._part_of, self._record_of
+        located = self._located.numpy()
+        return located[0], located[1]
 
     def __getitems__(self, positions: Indices) -> tuple[Images, torch.Tensor]:
         return self.read_batch(positions)

@@ -29,9 +29,6 @@ class RecordFields:
         self.names = [SOURCE, *(field.name for field in manifest.fields)]
         self._columns: dict[str, Column] = {}
 
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_columns": {}}  # a worker reads them again if it needs them
-
     def columns(self, names: Sequence[str]) -> dict[str, Column]:
         """The columns ``names`` (known names: ``check_names``), read from every shard on first use."""
         missing = [name for name in names if name not in self._columns]

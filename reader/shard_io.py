@@ -28,8 +28,8 @@ recently, so the many batches drawing from one window advise each block once, an
 a dataset that the page cache holds advises nothing.
 
 File descriptors are opened lazily and belong to the process that opened them: after a ``fork`` the
-child opens its own, and a pickled reader (``spawn``) carries only the paths, block boundaries and the
-shard files' identities (``reader.format.FileIdentity``, recorded when the dataset was opened).
+child opens its own (a ``spawn`` worker opens the dataset again: ``PackedDataset.__getstate__``).
+The shard files' identities (``reader.format.FileIdentity``) are recorded when the dataset is opened.
 Every open checks that the file is still that version, and every read of a shard an ``fstat`` of its
 descriptor (about a microsecond), so a shard replaced or rewritten under a running job raises
 ``FormatError`` instead of serving other records against the old record table.
@@ -177,15 +177,6 @@ class ShardFiles:
         self._advised_bytes = 0
         self._nowait = True
         self._gap = memoryview(bytearray(0))
-
-    def __getstate__(self) -> dict:
-        """Paths, identities and block layout: O(shards). The block bounds are given again as the
-        receiving process reads the record tables again."""
-        return {"paths": self.paths, "max_gap": self.max_gap, "block_layout": self.block_layout,
-                "identities": self.identities}
-
-    def __setstate__(self, state: dict) -> None:
-        ShardFiles.__init__(self, state["paths"], state["identities"], state["max_gap"], state["block_layout"])
 
     def set_block_bounds(self, shard: int, bounds: np.ndarray) -> None:
         """Where shard ``shard``'s read-ahead blocks start, then its end (see the class docstring)."""

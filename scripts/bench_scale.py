@@ -9,17 +9,20 @@ Packs N tiny records (8x8 raw RGB by default, 1,000 classes, with ``pack_items``
 - first batch: ``make_loader`` + ``iter`` + the first batch, 2 spawn workers, batch 256;
 - gap: the largest wait between two batches of epoch 2 (fork workers) over the median wait, the wait for
   epoch 2's first batch (the epoch boundary) over the median, and how many waits exceed 3x the median
-  (on a loaded machine, other processes' bursts show up here too);
+  (on a loaded machine, other processes' bursts show up here too), with ``gc.freeze()`` called once the
+  loader is built, as docs/reading.md advises; "unfrozen" is the largest gap without that call (the
+  main process's full garbage collections, about 0.1 s each with torch loaded);
 - rank 0/64: a ``ShardSampler`` of rank 0 of 64 built and its first batch of indices cut;
 - fds / RSS: descriptors and resident MiB of the main process and each worker after epoch 2;
 - split: ``reader.split(dataset, 0.1)``.
 
-Usage: ``python scripts/bench_scale.py [--sizes 10000 100000 1000000] [--dir /tmp/bench_scale]``.
+Usage: ``python scripts/bench_scale.py [--sizes 10000 100000 1281000] [--dir /tmp/bench_scale]``.
 Figures vary with the machine's load: compare only figures from one run.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import pickle
 import shutil
@@ -61,10 +64,12 @@ def process_figures(pid: int) -> tuple[int, float]:
     return fds, rss / 1024
 
 
-def epoch_gaps(path: Path, batch: int) -> tuple[list[float], list[tuple[int, float]]]:
+def epoch_gaps(path: Path, batch: int, freeze: bool) -> tuple[list[float], list[tuple[int, float]]]:
     """The waits for each batch of epoch 2 with 2 fork workers, and (fds, MiB) of each process."""
     loader = make_loader(PackedDataset(path), batch, num_workers=2, multiprocessing_context="fork",
                          pin_memory=False)
+    if freeze:
+        gc.freeze()
     gaps: list[float] = []
     for epoch in range(2):
         loader.set_epoch(epoch)
@@ -77,6 +82,7 @@ def epoch_gaps(path: Path, batch: int) -> tuple[list[float], list[tuple[int, flo
     workers = loader.live_iterator()._workers  # type: ignore[union-attr]
     figures = [process_figures(os.getpid())] + [process_figures(w.pid) for w in workers]
     del loader
+    gc.unfreeze()
     return gaps, figures
 
 
@@ -112,10 +118,12 @@ def measure(path: Path, count: int, side: int, partition: int, batch: int) -> di
     del loader
     row["1st batch s"] = first_batch(path, batch)
     row["rank0/64 s"] = rank0_of_64(dataset, batch)
-    gaps, figures = epoch_gaps(path, batch)
+    gaps, figures = epoch_gaps(path, batch, freeze=True)
     median = statistics.median(gaps)
     row["gap med ms"], row["gap max/med"] = median * 1e3, max(gaps) / median
     row["boundary/med"], row["gaps>3x"] = gaps[0] / median, sum(gap > 3 * median for gap in gaps)
+    unfrozen, _ = epoch_gaps(path, batch, freeze=False)
+    row["unfrozen max/med"] = max(unfrozen) / statistics.median(unfrozen)
     row["fds main/workers"] = "/".join(str(fds) for fds, _ in figures)
     row["RSS MiB main/workers"] = "/".join(f"{rss:.0f}" for _, rss in figures)
     start = time.perf_counter()
@@ -126,7 +134,7 @@ def measure(path: Path, count: int, side: int, partition: int, batch: int) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_281_000])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_scale"))
     parser.add_argument("--side", type=int, default=8, help="image side in pixels (default 8)")
     parser.add_argument("--partition", type=int, default=1131, help="records per shard (default 1131)")

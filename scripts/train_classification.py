@@ -16,6 +16,8 @@ What changes from the reference, and why:
   and ``--checkpoint-every`` saves one mid-epoch; ``--resume`` continues after the last batch the saved
   run trained, with the same batches and augmentation draws as an uninterrupted run. ``len(prefetcher)``
   is the whole epoch's batch count, also when resumed mid-epoch; the loop counts from the saved batch;
+- steady batches: ``gc.freeze()`` once everything is built, so that the training process's garbage
+  collections skip torch's objects (docs/reading.md, "Steady batches");
 - the model: a small CNN written here (``--width``), so that the recipe runs without torchvision; put
   ``torchvision.models.get_model(args.model, num_classes=...)`` in ``make_model`` for the real thing.
 
@@ -25,6 +27,7 @@ that runs out of time; ``--resume OUT/checkpoint.pth`` then carries on.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from pathlib import Path
@@ -183,6 +186,7 @@ def main(args: argparse.Namespace) -> None:
         scheduler.load_state_dict(saved["lr_scheduler"])
         train.load_state_dict(saved["prefetcher"])
         start_epoch, steps_done = saved["epoch"], saved["steps"]
+    gc.freeze()  # full collections skip everything built so far (docs/reading.md, "Steady batches")
     if args.test_only:
         evaluate(model, val, len(val_set), rank)
         return

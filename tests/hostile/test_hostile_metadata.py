@@ -231,13 +231,13 @@ def as_is(batch: object) -> object:
     return batch
 
 
-def test_shard_replaced_before_a_worker_opens_it_is_noticed(tmp_path: Path, make_packed_dataset) -> None:
+def test_dataset_repacked_before_a_worker_opens_it_is_noticed(tmp_path: Path, make_packed_dataset) -> None:
     packed = make_packed_dataset(tmp_path, resize=16, crop=16, shard_size=4 * 768)
     ds = PackedDataset(packed)
     repack_with_other_labels(packed.with_name("images"), packed)
     loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=1,
                                          multiprocessing_context="spawn", collate_fn=as_is)
-    with pytest.raises(FormatError, match=r"shard-0000\d\.\w+: shard file was replaced or changed since"):
+    with pytest.raises(FormatError, match=r"/manifest\.json: changed after the loader's process opened the dataset"):
         next(iter(loader))
 
 
