@@ -144,7 +144,12 @@ class PackedDataset(Dataset):
         training process (raised here, it would only kill the worker: "exited unexpectedly")."""
         state = dict(state)
         reopen = state.pop(_REOPEN)
-        PackedDataset.__init__(self, state["path"], **reopen["options"])
+        try:
+            PackedDataset.__init__(self, state["path"], **reopen["options"])
+        except FormatError as e:  # a shard removed, the manifest damaged...: refused at the first read too
+            self.__dict__.update(state)
+            self._stale = str(e)
+            return
         manifest, shards = self._fingerprint()
         if manifest != reopen["fingerprint"][0]:
             self._stale = (f"{self.path / MANIFEST_NAME}: changed after the loader's process opened the dataset "

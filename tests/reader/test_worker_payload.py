@@ -59,6 +59,16 @@ def test_a_dataset_changed_before_the_worker_started_is_refused(tmp_path: Path) 
         received.read_batch([0])
 
 
+def test_a_dataset_whose_shard_went_away_is_refused_at_the_first_read(tmp_path: Path) -> None:
+    path = tiny_dataset(tmp_path / "d", 50, 10)
+    payload = pickle.dumps(PackedDataset(path))
+    shard = sorted(path.glob("*.lmdb"))[2]
+    shard.unlink()
+    received = pickle.loads(payload)
+    with pytest.raises(FormatError, match=f"^{shard}: "):
+        received.read_batch([0])
+
+
 class Tagged(PackedDataset):
     """A subclass with an attribute of its own, which a worker's copy must keep."""
 
