@@ -49,11 +49,7 @@ Images = torch.Tensor | list[torch.Tensor]
 Indices = Sequence[int] | np.ndarray  # record indices, as a list or an int array
 Allocator = Callable[[tuple[int, ...]], torch.Tensor]
 VERIFY_LEVELS = ("tables", "full")
-# What pickling leaves out and a receiving process builds again by opening the path (``__getstate__``).
-_REOPENED = frozenset({"manifest", "_encoding", "record_fields", "decode_threads", "_shard_starts", "_block_size",
-                       "_files", "_columns", "_scratch", "_stale", "fast_decode", "block_bytes",
-                       "readahead"})
-_REOPEN = "_reopen"
+_REOPEN = "_reopen"  # the key of what a pickled dataset needs to be opened again (``__getstate__``)
 
 
 class PackedDataset(Dataset):
@@ -123,6 +119,8 @@ class PackedDataset(Dataset):
         if verify == "full":
             for shard in range(len(shards)):
                 self._load_table(shard, checksum=True)
+        # what opening sets, which pickling leaves out (``__getstate__``); a subclass's own attributes are kept
+        self._opened = frozenset(self.__dict__) | {"_opened"}
 
     def __getstate__(self) -> dict:
         """What a worker needs to open the dataset again: its path, options and a fingerprint of what
@@ -131,11 +129,10 @@ class PackedDataset(Dataset):
         script that lacks its ``if __name__ == "__main__":`` guard fails with Python's own message:
         CPython's spawn writes the payload into a pipe that the failing child never reads, so a
         payload over the pipe's 64 KiB made the parent hang."""
-        state = {key: value for key, value in self.__dict__.items() if key not in _REOPENED}
-        state[_REOPEN] = {"options": {"fast_decode": self.fast_decode, "max_gap": self._files.max_gap,
-                                      "block_bytes": self.block_bytes, "readahead": self.readahead,
-                                      "decode_threads": self.decode_threads.threads},
-                          "fingerprint": self._fingerprint()}
+        state = {key: value for key, value in self.__dict__.items() if key not in self._opened}
+        options = {"fast_decode": self.fast_decode, "max_gap": self._files.max_gap, "block_bytes": self.block_bytes,
+                   "readahead": self.readahead, "decode_threads": self.decode_threads.threads}
+        state[_REOPEN] = {"path": self.path, "options": options, "fingerprint": self._fingerprint()}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -145,10 +142,10 @@ class PackedDataset(Dataset):
         state = dict(state)
         reopen = state.pop(_REOPEN)
         try:
-            PackedDataset.__init__(self, state["path"], **reopen["options"])
+            PackedDataset.__init__(self, reopen["path"], **reopen["options"])
         except FormatError as e:  # a shard removed, the manifest damaged...: refused at the first read too
             self.__dict__.update(state)
-            self._stale = str(e)
+            self.path, self._stale = reopen["path"], str(e)
             return
         manifest, shards = self._fingerprint()
         if manifest != reopen["fingerprint"][0]:

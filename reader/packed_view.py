@@ -42,9 +42,8 @@ class PackedView(Dataset):
         self._source_name = _name(source)
         parts, part_of, record_of = _resolve(source)
         self.parts: list[PackedDataset] = parts
-        self._identity = len(parts) == 1 and record_of is None
         self._length = len(part_of)
-        # per position: [part, record]; None for a whole single part (the identity)
+        # per position: [part, record]; None for a whole single part (the identity: nothing per record)
         self._located = None if record_of is None else torch.from_numpy(np.stack([part_of, record_of]))
 
     def __getstate__(self) -> dict:
@@ -67,7 +66,7 @@ class PackedView(Dataset):
     @property
     def targets(self) -> np.ndarray:
         """The label of every position (int64)."""
-        if self._identity:
+        if self._located is None:
             return np.asarray(self.parts[0].targets, dtype=np.int64)
         labels = np.zeros(len(self), np.int64)
         part_of, record_of = self._positions()
@@ -92,7 +91,7 @@ class PackedView(Dataset):
     def block_groups(self) -> BlockGroups:
         """The positions grouped by block (``block_ids``): for a whole dataset straight from its block
         layout, without a per-record array."""
-        if self._identity:
+        if self._located is None:
             return BlockGroups(None, np.append(self.parts[0].block_starts(), len(self)).astype(np.int64))
         return BlockGroups.of(self.block_ids())
 
@@ -111,7 +110,7 @@ class PackedView(Dataset):
 
     def field_batch(self, positions: Indices, names: Sequence[str]) -> dict[str, Any]:
         """The named fields (``reader.record_fields``) of the records at ``positions``, batched."""
-        if self._identity:
+        if self._located is None:
             return self.parts[0].record_fields.batch(np.asarray(positions, dtype=np.int64), names)
         part_of, records = self.locate(positions)
         out: dict[str, Any] = {}
@@ -151,7 +150,7 @@ class PackedView(Dataset):
 
     def read_batch(self, positions: Indices) -> tuple[Images, torch.Tensor]:
         """The records at ``positions`` as one batch, like ``PackedDataset.read_batch``."""
-        if self._identity:
+        if self._located is None:
             return self.parts[0].read_batch(positions)
         part_of, records = self.locate(positions)
         used = np.unique(part_of).tolist()
@@ -165,7 +164,7 @@ class PackedView(Dataset):
 
     def advise(self, positions: Indices) -> None:
         """``PackedDataset.advise`` for each part's records among ``positions``."""
-        if self._identity:
+        if self._located is None:
             self.parts[0].advise(positions)
             return
         part_of, records = self.locate(positions)

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from gpu_helpers import png_images
 
 from reader.gpu.augment import BatchAugment, normalization_affine, seeded_generator
 
@@ -20,15 +19,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
     """Six 20x24 RGB images written as PNG and read back: uint8 [6, 3, 20, 24]."""
-    folder = tmp_path_factory.mktemp("png")
-    rng = np.random.default_rng(7)
-    images = []
-    for i in range(6):
-        path = folder / f"{i}.png"
-        Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(path)
-        with Image.open(path) as img:
-            images.append(torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1))
-    return torch.stack(images)
+    return torch.stack(png_images(tmp_path_factory.mktemp("png"), [(20, 24)] * 6, seed=7))
 
 
 def normalize_by_hand(images: torch.Tensor, mean: tuple, std: tuple, unit: float) -> torch.Tensor:
@@ -155,14 +146,7 @@ def test_bad_options_are_refused(batch: torch.Tensor) -> None:
 def ragged(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
     """Five RGB PNGs of different sizes (one 3x larger than the outputs below) read back as uint8
     [3, H_i, W_i]: what the reader yields for a dataset packed without a crop."""
-    folder = tmp_path_factory.mktemp("ragged")
-    rng = np.random.default_rng(3)
-    images = []
-    for i, (height, width) in enumerate([(20, 30), (33, 17), (25, 25), (16, 40), (60, 48)]):
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-        with Image.open(folder / f"{i}.png") as img:
-            images.append(torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1))
-    return images
+    return png_images(tmp_path_factory.mktemp("ragged"), [(20, 30), (33, 17), (25, 25), (16, 40), (60, 48)], seed=3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

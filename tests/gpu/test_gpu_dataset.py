@@ -8,13 +8,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from gpu_helpers import MEAN, STD, normalized, png_images
 
 import reader.gpu.gpu_dataset as gpu_dataset
 from reader.gpu.gpu_dataset import GPUDataset
 from reader.gpu.prefetcher import CUDAPrefetcher
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -39,19 +38,7 @@ class FakePackedDataset:
 @pytest.fixture(scope="module")
 def images(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
     """Eleven 12x14 RGB PNGs read back as uint8 [11, 3, 12, 14]."""
-    folder = tmp_path_factory.mktemp("png")
-    rng = np.random.default_rng(1)
-    out = []
-    for i in range(11):
-        Image.fromarray(rng.integers(0, 256, (12, 14, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-        with Image.open(folder / f"{i}.png") as img:
-            out.append(torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1))
-    return torch.stack(out)
-
-
-def normalized(images: torch.Tensor) -> torch.Tensor:
-    mean, std = torch.tensor(MEAN).double().view(3, 1, 1), torch.tensor(STD).double().view(3, 1, 1)
-    return (images.double() / 255 - mean) / std
+    return torch.stack(png_images(tmp_path_factory.mktemp("png"), [(12, 14)] * 11, seed=1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
