@@ -14,9 +14,12 @@ in the main process (``reader.batch_memory``), so no batch pays for fresh pages.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import os
+import threading
+import time
 from typing import Any, Callable, Iterator, Sequence, cast
 
 import numpy as np
@@ -35,6 +38,10 @@ MAX_DEFAULT_WORKERS = 8
 # blocks: over one, so that the next window's reads are always queued while the current one is read,
 # with room for windows of uneven size.
 LOOKAHEAD_WINDOWS = 1.5
+# How long a worker that ends waits for its data queue's feeder thread (``start_worker``): it sends the
+# batches already queued in milliseconds; it takes longer only when blocked on a full pipe the main
+# process no longer reads, and then it blocks outside torch, where ending it is harmless.
+FEEDER_WAIT_S = 2.0
 
 
 def default_num_workers() -> int:
@@ -307,9 +314,31 @@ def start_worker(worker_id: int) -> None:
     batches as the worker's own short-lived objects are promoted: a pause longer than the whole prefetch
     queue, so the training loop waited for one batch once an epoch (``scripts/bench_scale.py``'s gap
     column). Frozen objects are skipped by collections; the worker's own garbage is still collected.
+
+    Also, at exit, wait for the data queue's feeder thread (``_join_queue_feeders``).
     """
     enable_handoff(worker_id)
     gc.freeze()
+    atexit.register(_join_queue_feeders)
+
+
+def _join_queue_feeders() -> None:
+    """Wait, at most ``FEEDER_WAIT_S`` seconds, for this process's ``multiprocessing`` queue feeder threads.
+
+    Why: when the loader shuts down, torch's worker loop calls ``data_queue.cancel_join_thread()`` and
+    returns while the queue's feeder (a daemon thread) may still be pickling or freeing a batch's
+    tensors, in torch's C++ with the GIL released. A spawned worker then finalizes its interpreter
+    (fork and forkserver workers end with ``os._exit``, so this handler never runs there), and on
+    Python < 3.14 a daemon thread taking the GIL back during finalization is ended with
+    ``pthread_exit``, whose unwinding through torch's C++ frames calls ``std::terminate``: the worker
+    died by SIGABRT ("terminate called without an active exception", pytorch/pytorch#38228), about
+    one worker shutdown in twenty. ``atexit`` handlers run before finalization starts; torch's own
+    ``close()`` has already queued the feeder's end, so the wait lasts until the queued batches are sent.
+    """
+    deadline = time.monotonic() + FEEDER_WAIT_S
+    for thread in threading.enumerate():
+        if thread.name == "QueueFeederThread" and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def lookahead_samples(dataset: Dataset, buffer_blocks: int) -> int:
