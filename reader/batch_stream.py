@@ -40,8 +40,9 @@ class BatchStream(Sampler[list[int]]):
     has no batch at all, since every later pass would be empty too. ``len()`` is the number of batches
     in the sampler's whole epoch, those already yielded before a resume included (``batches_done``);
     an iteration yields the ``batches_left`` (``ShardSampler``'s module docstring says why). ``advise`` (called with a
-    batch's indices as a numpy array) sees every batch of ``endless()``
-    ``ceil(lookahead / batch_size)`` batches before it is yielded (see the module docstring).
+    batch's indices as a numpy array and the number of its pass in this ``endless()``: 0, 1, ...) sees
+    every batch of ``endless()`` ``ceil(lookahead / batch_size)`` batches before it is yielded (see the
+    module docstring).
 
     ``sampler`` must be a ``ShardSampler``: a framework that rebuilds the loader around its own
     sampler (Lightning's ``use_distributed_sampler=True``) gets a ``TypeError`` that says what to turn
@@ -54,7 +55,7 @@ class BatchStream(Sampler[list[int]]):
         batch_size: int,
         drop_last: bool,
         *,
-        advise: Callable[[np.ndarray], None] | None = None,
+        advise: Callable[[np.ndarray, int], None] | None = None,
         lookahead: int = 0,
     ) -> None:
         if not isinstance(sampler, ShardSampler):
@@ -103,29 +104,31 @@ class BatchStream(Sampler[list[int]]):
         batches = self._batches()
         advise = self.advise
         if not self.lookahead_batches or advise is None:
-            for batch in batches:
+            for _, batch in batches:
                 yield batch.tolist()
             return
         ahead: deque[np.ndarray] = deque()
-        for batch in batches:
-            advise(batch)
+        for number, batch in batches:
+            advise(batch, number)
             ahead.append(batch)
             if len(ahead) > self.lookahead_batches:
                 yield ahead.popleft().tolist()
         while ahead:
             yield ahead.popleft().tolist()
 
-    def _batches(self) -> Iterator[np.ndarray]:
-        """The stream's batches as index arrays, pass after pass."""
+    def _batches(self) -> Iterator[tuple[int, np.ndarray]]:
+        """The stream's batches as index arrays, pass after pass, each with its pass's number."""
         epoch, start = self.sampler.epoch, self.sampler.start
+        number = 0
         while True:
             empty = True
             for batch in self._pass(epoch, start):
                 empty = False
-                yield batch
+                yield number, batch
             if empty:
                 return
             epoch, start = self.following(epoch, start)
+            number += 1
 
     def _pass(self, epoch: int, start: int) -> Iterator[np.ndarray]:
         """The batches of the pass ``(epoch, start)``, cut as ``BatchSampler`` cuts them, each as soon as

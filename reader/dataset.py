@@ -278,19 +278,31 @@ class PackedDataset(Dataset):
             return self._read_raw(idx, allocate)
         return self._read_decoded(idx, allocate)
 
-    def advise(self, indices: Indices) -> None:
+    def advise(self, indices: Indices, seen: set[int] | None = None) -> None:
         """Start reading, in the background, the whole read-ahead blocks that hold these records.
 
         Called with the records of a batch still ahead in the order (``reader.batch_stream``), so the
         disk reads them while the current batches are decoded. It does nothing with read-ahead off,
         for records scattered over many blocks (random order), or for blocks this process advised
-        recently (``ShardFiles.advise``); it never waits for the disk.
+        before, or that are in ``seen`` (the caller's blocks of this pass, when it streams the dataset:
+        ``ShardFiles.advise``); it never waits for the disk.
         """
         if not self.readahead:
             return
         idx = self._checked_indices(indices)
         records = self._records
-        self._files.advise(self._shard_of(idx), records.offsets[idx], records.nbytes[idx])
+        self._files.advise(self._shard_of(idx), records.offsets[idx], records.nbytes[idx], seen)
+
+    @property
+    def drop_behind(self) -> bool:
+        """Whether reads drop the pages of the records they read from the page cache and leave the
+        reading ahead to ``advise`` (``reader.shard_io``): set in the workers of a loader that streams
+        a dataset larger than the page cache can keep (``reader.loader``)."""
+        return self._files.drop_behind
+
+    @drop_behind.setter
+    def drop_behind(self, value: bool) -> None:
+        self._files.drop_behind = true_or_false("drop_behind", value)
 
     def close(self) -> None:
         """Close the shard files this process opened (they reopen on the next read)."""

@@ -45,18 +45,30 @@ class PackedView(Dataset):
         self._length = len(part_of)
         # per position: [part, record]; None for a whole single part (the identity: nothing per record)
         self._located = None if record_of is None else torch.from_numpy(np.stack([part_of, record_of]))
+        self.streaming = False
+        self._pass: int | None = None
+        self._seen: dict[int, set[int]] = {}  # per part, the blocks advised in this pass (streaming)
 
     def __getstate__(self) -> dict:
         """Everything but ``source`` (the given dataset; a ``Subset``'s index list is O(records)): a
         worker reads through ``parts`` and the position table, moved to shared memory first so that a
         spawned worker receives a handle to it, not a copy (torch's reductions for multiprocessing).
-        The worker's copy has ``source`` None."""
+        The worker's copy has ``source`` None, and none of the main process's advice memory."""
         if self._located is not None and not self._located.is_shared():
             self._located.share_memory_()
-        return {**self.__dict__, "source": None}
+        return {**self.__dict__, "source": None, "_pass": None, "_seen": {}}
 
     def __len__(self) -> int:
         return self._length
+
+    def shard_bytes(self) -> int:
+        """About how many bytes of shard files an epoch over the view reads: each part's bytes in
+        proportion to the view's records in it."""
+        if self._located is None:
+            return self.parts[0].manifest.total_bytes
+        counts = np.bincount(self._located.numpy()[0], minlength=len(self.parts))
+        return int(sum(part.manifest.total_bytes * int(count) // max(len(part), 1)
+                       for part, count in zip(self.parts, counts)))
 
     @property
     def readahead(self) -> bool:
@@ -162,15 +174,24 @@ class PackedView(Dataset):
             labels[members] = part_labels
         return _gathered([(members, images) for members, images, _ in pieces], len(records)), labels
 
-    def advise(self, positions: Indices) -> None:
-        """``PackedDataset.advise`` for each part's records among ``positions``."""
-        if self._located is None:
-            self.parts[0].advise(positions)
-            return
+    def advise(self, positions: Indices, pass_number: int = 0) -> None:
+        """``PackedDataset.advise`` for each part's records among ``positions``, which lie in pass
+        ``pass_number`` of the loader's order. A ``streaming`` view remembers the blocks it advised only
+        for the current pass (``reader.shard_io``, "Streaming"); otherwise each part remembers them."""
+        if self.streaming and pass_number != self._pass:
+            self._pass, self._seen = pass_number, {}
         part_of, records = self.locate(positions)
         for k in np.unique(part_of).tolist():
             if getattr(self.parts[k], "readahead", False):
-                self.parts[k].advise(records[part_of == k])
+                seen = self._seen.setdefault(k, set()) if self.streaming else None
+                self.parts[k].advise(records if self._located is None else records[part_of == k], seen)
+
+    def enter_worker(self) -> None:
+        """In a loader's worker process: a ``streaming`` view's parts drop the pages they read
+        (``PackedDataset.drop_behind``), the worker's own copies only."""
+        if self.streaming:
+            for part in self.parts:
+                part.drop_behind = True
 
     def __getitem__(self, position: int) -> tuple[torch.Tensor, int]:
         part_of, records = self.locate([position])

@@ -24,8 +24,19 @@ the order (the loader's main process, ``reader.batch_stream``) advise the blocks
 ahead through the same code path (same scattered-batch rule, same lock), so the disk reads the next
 window of blocks while the workers decode the current one; when the workers get there, their own
 advice finds the pages present or in flight and costs lookups. It remembers the blocks it advised
-recently, so the many batches drawing from one window advise each block once, and an epoch over
-a dataset that the page cache holds advises nothing.
+before, so the many batches drawing from one window advise each block once, and an epoch over a
+dataset that the page cache holds advises nothing.
+
+Streaming, for a dataset larger than the page cache can keep (``reader.memory_budget``; the loader
+decides, ``reader.loader``): every epoch reads it from the disk again, and the pages of records already
+read crowd out the blocks read ahead. Under a memory cgroup the kernel then cuts read-ahead short
+(its allocations give up rather than reclaim) and evicts advised blocks before they are read: measured
+on a 1.2 GB set under a 1000 MB cap, 1.8x the payload's bytes in IOs of 220-400 KiB, about 2x the
+disk's time. So with ``drop_behind`` a worker drops the whole pages of each record it has read
+(``POSIX_FADV_DONTNEED``: each record is read once an epoch) and leaves the reading ahead to the main
+process, whose advice for a block is then remembered only for the current pass of the order (the
+caller's ``seen`` set): a block advised again once some of its records are dropped would read them
+again for nothing.
 
 File descriptors are opened lazily and belong to the process that opened them: after a ``fork`` the
 child opens its own (a ``spawn`` worker opens the dataset again: ``PackedDataset.__getstate__``).
@@ -64,6 +75,7 @@ from reader.format.shard_files import check_identity, open_checked
 from reader.mapped_copy import GUARDED, MappedFile
 
 IOV_MAX = os.sysconf("SC_IOV_MAX")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 DEFAULT_MAX_GAP = 64 << 10
 # A batch whose uncached runs touch more blocks than this is scattered (random order): reading whole
 # blocks would fetch far more than it needs, so it reads only its records. Quasi-random batches touch
@@ -73,12 +85,6 @@ MAX_READAHEAD_BLOCKS = 32
 # blocks are advised in pieces no longer than that; this is used where sysfs does not tell.
 FALLBACK_ADVICE_BYTES = 512 << 10
 MAX_ADVICE_BYTES = 2 << 20
-# ``advise`` skips the blocks among the last this many bytes it advised: half the machine's memory,
-# which the page cache most likely still holds. A dataset that fits is advised once per process, so
-# warm epochs make no system call; a larger one has its blocks advised again each epoch (by then the
-# page cache has dropped them). Should the cache drop a remembered block anyway, the worker that
-# misses in it reads it ahead itself.
-RECENT_ADVICE_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 # Per dataset and process: shards open at once (each one descriptor, two while mapped: Python's mmap
 # keeps a dup), at least a quasi-random window's (16 blocks, so at most 16 shards); and the largest
 # dataset that is copied from mappings (the bound on the RSS that mapped pages add).
@@ -145,6 +151,9 @@ class ShardFiles:
     then nothing of shard ``s`` is read ahead. Without a layout, only the requested records are read.
     Blocks are numbered over all shards in order (shard 0's blocks, then shard 1's, ...), so that a
     batch's blocks in every shard are found with a few array operations instead of a loop over shards.
+
+    ``drop_behind`` (set in the workers of a loader that streams the dataset: module doc): ``read``
+    drops the pages of the records it read and does not read blocks ahead itself.
     """
 
     def __init__(
@@ -173,8 +182,8 @@ class ShardFiles:
         self._map_shards = GUARDED and len(paths) <= MAX_OPEN_SHARDS and \
             sum(identity.size for identity in identities) <= MAX_MAPPED_BYTES
         self._advice_bytes: dict[int, int] = {}
-        self._advised: OrderedDict[int, int] = OrderedDict()  # global block -> its bytes
-        self._advised_bytes = 0
+        self._advised: set[int] = set()  # global blocks this process advised (without a caller's ``seen``)
+        self.drop_behind = False
         self._nowait = True
         self._gap = memoryview(bytearray(0))
 
@@ -224,16 +233,18 @@ class ShardFiles:
         if self.block_layout is None or not self._bounds_known[shard]:
             pending = runs
         else:
-            mapped = self._mapped(entry)
+            mapped = None if self.drop_behind else self._mapped(entry)  # mapped pages cannot be dropped
             cached = 0
             while cached < len(runs) and (self._copy_mapped(shard, mapped, runs[cached])
                                           or self._read_cached(fd, runs[cached])):
                 cached += 1
             pending = runs[cached:]
-            if pending:
+            if pending and not self.drop_behind:
                 self._read_ahead(shard, fd, pending)
         for run in pending:
             self._read_run(shard, fd, run)
+        if self.drop_behind:
+            _drop_pages(fd, request)
 
     def _runs(self, request: ReadRequest) -> list[_Run]:
         """The request's records in file order, cut into runs at holes over ``max_gap`` or ``IOV_MAX``."""
@@ -308,16 +319,17 @@ class ShardFiles:
         run.advance(n)
         return run.done >= run.total
 
-    def advise(self, shards: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray) -> None:
+    def advise(self, shards: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray,
+               seen: set[int] | None = None) -> None:
         """Start reading, in the background, the whole blocks that hold these records (record ``k`` is
         ``nbytes[k]`` bytes at ``offsets[k]`` of shard file ``shards[k]``).
 
         For a process that knows which records come next (the loader's main process): the disk then
         reads the next blocks while the current ones are decoded. Nothing happens without block
         boundaries or for a shard whose records here are scattered over more than
-        ``MAX_READAHEAD_BLOCKS`` blocks, and a block among the last ``RECENT_ADVICE_BYTES`` this process
-        advised is not advised again, so the many batches drawing from the same blocks, and warm epochs,
-        make no system call.
+        ``MAX_READAHEAD_BLOCKS`` blocks. A block is advised once: once per process, so the many batches
+        drawing from the same blocks, and warm epochs, make no system call; or, given ``seen`` (the
+        blocks the caller advised in this pass of a streamed order; updated here), once per pass.
         """
         known = self._bounds_known[shards]
         if not known.all():
@@ -327,21 +339,13 @@ class ShardFiles:
         blocks = self._touched_blocks(shards, offsets, offsets + nbytes)
         shard_of = np.searchsorted(self._first_block, blocks, "right") - 1
         gathered = np.bincount(shard_of)[shard_of] <= MAX_READAHEAD_BLOCKS
+        advised = self._advised if seen is None else seen
         fresh = [(shard, block) for shard, block in zip(shard_of[gathered].tolist(), blocks[gathered].tolist())
-                 if self._note_advised(block)]
+                 if block not in advised]
+        advised.update(block for _, block in fresh)
         for shard in sorted({shard for shard, _ in fresh}):
-            self._advise_blocks(shard, self._shard(shard).fd, [block for s, block in fresh if s == shard])
-
-    def _note_advised(self, block: int) -> bool:
-        """Remember that (global) ``block`` is being advised; False if it already was, recently."""
-        if block in self._advised:
-            self._advised.move_to_end(block)
-            return False
-        size = self._advised[block] = int(self._block_starts[block + 1] - self._block_starts[block])
-        self._advised_bytes += size
-        while self._advised_bytes > RECENT_ADVICE_BYTES and len(self._advised) > 1:
-            self._advised_bytes -= self._advised.popitem(last=False)[1]
-        return True
+            self._advise_blocks(shard, self._shard(shard).fd, [block for s, block in fresh if s == shard],
+                                clear=seen is not None)
 
     def _read_ahead(self, shard: int, fd: int, pending: list[_Run]) -> None:
         """Ask the kernel to read every block that ``pending`` runs touch, unless they are scattered."""
@@ -362,20 +366,27 @@ class ShardFiles:
         within = np.arange(int(spans.sum())) - np.repeat(np.cumsum(spans) - spans, spans)
         return np.unique(np.repeat(first, spans) + within)
 
-    def _advise_blocks(self, shard: int, fd: int, blocks: list[int]) -> None:
+    def _advise_blocks(self, shard: int, fd: int, blocks: list[int], clear: bool = False) -> None:
         """``posix_fadvise(WILLNEED)`` the whole ``blocks`` (global numbers, all in shard ``shard``), in
         device-sized pieces, under the shard's advice lock.
 
         The advice is asynchronous and only advice: pages already cached cost a lookup, not a read,
         and a file system that refuses it just leaves the records to be read on their own.
+
+        ``clear`` (a streamed dataset) first drops what the cache holds of each block: the pages that
+        dropping records left behind, each shared by two records. The kernel cuts its read around
+        every page present, so those pages, one per record, would turn the block's read into one
+        disk request per record.
         """
         origin = int(self._shard_origin[shard])
         piece = self._advice_piece(shard, fd)
         with _advice_lock(fd):
             try:
                 for block in blocks:
-                    end = int(self._block_starts[block + 1]) - origin
-                    for offset in range(int(self._block_starts[block]) - origin, end, piece):
+                    start, end = int(self._block_starts[block]) - origin, int(self._block_starts[block + 1]) - origin
+                    if clear:
+                        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+                    for offset in range(start, end, piece):
                         os.posix_fadvise(fd, offset, min(piece, end - offset), os.POSIX_FADV_WILLNEED)
             except OSError:
                 return
@@ -404,6 +415,23 @@ class ShardFiles:
                     f"the file (file offset {run.start + run.done}); the file changed or is damaged"
                 )
             run.advance(n)
+
+
+def _drop_pages(fd: int, request: ReadRequest) -> None:
+    """Drop from the page cache the whole pages inside the records just read (records that touch are
+    one range; a page shared with a record not read is kept)."""
+    order = np.argsort(request.offsets, kind="stable")
+    starts = request.offsets[order].astype(np.int64)
+    ends = starts + request.nbytes[order]
+    cuts = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+    firsts = -(-starts[np.r_[0, cuts]] // PAGE_SIZE) * PAGE_SIZE
+    lasts = ends[np.r_[cuts - 1, len(ends) - 1]] // PAGE_SIZE * PAGE_SIZE
+    try:
+        for first, last in zip(firsts.tolist(), lasts.tolist()):
+            if last > first:
+                os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        return
 
 
 @contextmanager
@@ -441,7 +469,7 @@ def willneed_limit(fd: int) -> int:
             kib = max(int(Path(queue, name).read_text()) for name in ("read_ahead_kb", "max_sectors_kb"))
         except (OSError, ValueError):
             continue
-        return min(MAX_ADVICE_BYTES, max(kib << 10, os.sysconf("SC_PAGE_SIZE")))
+        return min(MAX_ADVICE_BYTES, max(kib << 10, PAGE_SIZE))
     return FALLBACK_ADVICE_BYTES
 
 

@@ -27,10 +27,12 @@ class Stream:
         self.yielded = 0
         self.stream = BatchStream(self.sampler, BATCH, drop_last, advise=self.advise,
                                   lookahead=lookahead)
+        self.passes: list[int] = []
 
-    def advise(self, indices: np.ndarray) -> None:
+    def advise(self, indices: np.ndarray, number: int) -> None:
         assert isinstance(indices, np.ndarray)
         self.calls.append((self.yielded, indices.tolist()))
+        self.passes.append(number)
 
     def take(self, n: int) -> list[list[int]]:
         batches = []
@@ -63,6 +65,15 @@ def test_each_batch_is_advised_one_lookahead_before_it_is_yielded(raw_path):
     assert advised[:25] == batches
     for k, (step, _) in enumerate(stream.calls):
         assert step == max(0, k - ahead)
+
+
+def test_advice_names_each_batch_s_pass(raw_path):
+    """A streamed view remembers its advice for one pass of the order: each batch comes with the
+    number of its pass, counting from 0 at the first pass of ``endless()``."""
+    stream = Stream(raw_path, lookahead=BATCH)
+    per_pass = -(-len(stream.sampler) // BATCH)
+    stream.take(2 * per_pass + 3)
+    assert stream.passes[:3 * per_pass] == [0] * per_pass + [1] * per_pass + [2] * min(per_pass, 4)
 
 
 def test_without_advise_or_lookahead_nothing_is_called(raw_path):

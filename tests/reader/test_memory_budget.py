@@ -1,0 +1,84 @@
+"""The page cache budget: half of RAM, or of the memory cgroup's limit where one caps this process.
+
+The parsing is checked on cgroup v1 and v2 trees written here; the real limit, where this machine lets
+a test create a memory cgroup (root, cgroup v1 or v2 mounted writable), on a real process put in one.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from hostile_helpers import subprocess_env
+
+from reader.memory_budget import CGROUP_ROOT, cgroup_memory_limit, page_cache_budget
+
+TIMEOUT_S = 60
+NO_LIMIT_V1 = 9223372036854771712
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_v1_takes_the_hierarchical_limit(tmp_path):
+    write(tmp_path / "proc", "4:memory:/job/step\n3:cpuset:/\n0::/\n")
+    write(tmp_path / "cg/memory/job/step/memory.stat", f"cache 5\nhierarchical_memory_limit {3 << 30}\nrss 7\n")
+    assert cgroup_memory_limit(tmp_path / "proc", tmp_path / "cg") == 3 << 30
+    write(tmp_path / "cg/memory/job/step/memory.stat", f"hierarchical_memory_limit {NO_LIMIT_V1}\n")
+    assert cgroup_memory_limit(tmp_path / "proc", tmp_path / "cg") is None
+
+
+def test_v2_takes_the_tightest_limit_up_the_tree(tmp_path):
+    write(tmp_path / "proc", "0::/pod/container\n")
+    write(tmp_path / "cg/pod/container/memory.max", "max\n")
+    write(tmp_path / "cg/pod/memory.max", f"{2 << 30}\n")
+    write(tmp_path / "cg/memory.max", f"{8 << 30}\n")
+    assert cgroup_memory_limit(tmp_path / "proc", tmp_path / "cg") == 2 << 30
+    write(tmp_path / "proc", "0::/\n")  # a container's own namespace: its limit is at the root
+    assert cgroup_memory_limit(tmp_path / "proc", tmp_path / "cg") == 8 << 30
+
+
+def test_no_cgroup_means_half_the_ram(tmp_path):
+    assert cgroup_memory_limit(tmp_path / "absent", tmp_path) is None
+    write(tmp_path / "proc", "0::/\n")
+    assert cgroup_memory_limit(tmp_path / "proc", tmp_path / "empty") is None
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert page_cache_budget() <= ram // 2
+
+
+def memory_cgroup(limit: int) -> Path:
+    """A new memory cgroup capped at ``limit`` bytes (v1 or v2); skips where none can be made."""
+    name = f"packed-images-test-{uuid.uuid4().hex[:8]}"
+    candidates = ((CGROUP_ROOT / "memory" / name, "memory.limit_in_bytes"), (CGROUP_ROOT / name, "memory.max"))
+    for group, limit_file in candidates:
+        if not group.parent.is_dir() or not os.access(group.parent, os.W_OK):
+            continue
+        try:
+            group.mkdir()
+        except OSError:
+            continue
+        try:
+            (group / limit_file).write_text(str(limit))
+            return group
+        except OSError:
+            group.rmdir()
+    pytest.skip("no memory cgroup can be created here (not root, or cgroups mounted read-only)")
+
+
+def test_a_process_under_a_real_memory_limit_budgets_half_of_it():
+    limit = 300 << 20
+    group = memory_cgroup(limit)
+    try:
+        code = "from reader.memory_budget import page_cache_budget; print(page_cache_budget())"
+        move_in = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
+        done = subprocess.run(["sh", "-c", move_in, "sh", sys.executable, "-c", code],
+                              capture_output=True, text=True, timeout=TIMEOUT_S, env=subprocess_env())
+        assert done.returncode == 0, done.stderr
+        assert int(done.stdout) == limit // 2
+    finally:
+        group.rmdir()

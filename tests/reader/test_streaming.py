@@ -1,0 +1,204 @@
+"""Streaming a dataset larger than the page cache can keep: pages dropped once read, advice once a pass.
+
+Residency is read from the real page cache (``mincore`` over a mapping of the shard file), after real
+reads of a real shard file; only the disk's slowness is simulated, where a test needs a cold cache.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from reader_helpers import make_images, pack_images
+
+import reader.loader
+import reader.mapped_copy
+import reader.shard_io
+from reader import PackedDataset, make_loader
+from reader.loader import LOOKAHEAD_WINDOWS, lookahead_samples
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+COUNT = 60
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def resident_pages(path: Path) -> np.ndarray:
+    """Which pages of the file at ``path`` the page cache holds (``mincore``)."""
+    size = path.stat().st_size
+    vector = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        view = np.frombuffer(mapped, np.uint8)
+        status = _libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vector)
+        del view  # before the mapping closes
+    assert status == 0, os.strerror(ctypes.get_errno())
+    return np.frombuffer(vector, np.uint8) & 1 == 1
+
+
+def cache(path: Path) -> None:
+    """Put the whole file in the page cache, page by page; skip where the cache will not say so.
+
+    Page by page, without read-ahead: a kernel with large folios (ext4 since Linux 6.16) may otherwise
+    cache the file in pieces of many pages, and it drops a piece only when a drop covers all of it, so
+    which pages of a record survive its drop would depend on how the file happened to be read.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for offset in range(0, os.fstat(fd).st_size, PAGE):
+            os.pread(fd, 1, offset)
+    finally:
+        os.close(fd)
+    if not resident_pages(path).all():
+        pytest.skip("this file system does not keep what was read in the page cache")
+
+
+def inner_pages(offset: int, nbytes: int) -> range:
+    """The pages lying wholly inside ``[offset, offset + nbytes)``."""
+    return range(-(-offset // PAGE), (offset + nbytes) // PAGE)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """One LMDB shard of raw records of about five pages each (72x96x3 bytes)."""
+    images = make_images(COUNT, [(72, 96)])
+    return pack_images(tmp_path_factory.mktemp("streaming") / "packed", images, [i % 3 for i in range(COUNT)],
+                       storage="lmdb", encoding="raw", records_per_shard=COUNT + 1)
+
+
+def shard_file(ds: PackedDataset) -> Path:
+    return ds.path / ds.manifest.shards[0].file
+
+
+def test_drop_behind_drops_the_pages_of_the_records_read(packed):
+    ds = PackedDataset(packed.path)
+    path = shard_file(ds)
+    cache(path)
+    ds.drop_behind = True
+    read = [3, 17, 4, 40]
+    images, labels = ds.read_batch(read)
+    for row, i in zip(images, read):
+        assert (row.numpy() == packed.images[i].transpose(2, 0, 1)).all()
+    assert labels.tolist() == [packed.labels[i] for i in read]
+    resident = resident_pages(path)
+    dropped = {page for i in read for page in inner_pages(int(ds._offsets[i]), int(ds._nbytes[i]))}
+    assert dropped and not resident[sorted(dropped)].any()
+    kept = {page for i in set(range(COUNT)) - set(read)
+            for page in inner_pages(int(ds._offsets[i]), int(ds._nbytes[i]))}
+    assert resident[sorted(kept)].all()  # no record that was not read lost a page
+
+
+class FadviseLog:
+    """Every ``posix_fadvise`` as ``(advice, offset, length)``; reads that do not wait find nothing cached."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+        real_preadv = os.preadv
+
+        def preadv(fd, buffers, offset, flags=0):
+            if flags & os.RWF_NOWAIT:
+                raise BlockingIOError(11, "cold")
+            return real_preadv(fd, buffers, offset)
+
+        monkeypatch.setattr(reader.shard_io.os, "preadv", preadv)
+        monkeypatch.setattr(reader.shard_io.os, "posix_fadvise",
+                            lambda fd, offset, length, advice: self.calls.append((advice, offset, length)))
+        monkeypatch.setattr(reader.mapped_copy.MappedFile, "resident", lambda self, start, end: False)
+
+    def of(self, advice: int) -> list[tuple[int, int]]:
+        return [(offset, length) for kind, offset, length in self.calls if kind == advice]
+
+
+def blocks_of(packed_path: Path, records_per_block: int) -> PackedDataset:
+    shard = PackedDataset(packed_path).manifest.shards[0]
+    return PackedDataset(packed_path, block_bytes=-(-records_per_block * shard.bytes // shard.records))
+
+
+def test_a_streaming_read_leaves_reading_ahead_to_the_advice(packed, monkeypatch):
+    """A cold batch read with drop_behind asks for no block of its own (a block read again after some of
+    its records were dropped would read them again): only its records, then drops them."""
+    ds = blocks_of(packed.path, 5)
+    ds.targets  # the table: block bounds known
+    disk = FadviseLog(monkeypatch)
+    ds.drop_behind = True
+    ds.read_batch([12, 6, 13])
+    assert disk.of(os.POSIX_FADV_WILLNEED) == []
+    assert len(disk.of(os.POSIX_FADV_DONTNEED)) >= 2
+    ds.drop_behind = False
+    ds.read_batch([22, 26])
+    assert disk.of(os.POSIX_FADV_WILLNEED)  # an ordinary cold read reads its blocks ahead
+
+
+def test_streamed_advice_clears_each_block_then_reads_it_once_a_pass(packed, monkeypatch):
+    ds = blocks_of(packed.path, 5)
+    ds.targets
+    bounds = ds._files._block_starts
+    disk = FadviseLog(monkeypatch)
+    first_pass: set[int] = set()
+    ds.advise([12, 6], seen=first_pass)  # blocks 1 and 2
+    cleared = disk.of(os.POSIX_FADV_DONTNEED)
+    assert cleared == [(int(bounds[1]), int(bounds[2] - bounds[1])), (int(bounds[2]), int(bounds[3] - bounds[2]))]
+    assert first_pass == {1, 2}
+    calls = len(disk.calls)
+    ds.advise([9, 11], seen=first_pass)
+    assert len(disk.calls) == calls  # advised in this pass already
+    ds.advise([9, 11], seen=set())  # the next pass
+    assert len(disk.of(os.POSIX_FADV_DONTNEED)) == 4
+    ds.advise([9])  # no pass given: the process's own memory, no clearing
+    ds.advise([9])
+    assert len(disk.of(os.POSIX_FADV_DONTNEED)) == 4
+    assert sum(offset == int(bounds[1]) for offset, _ in disk.of(os.POSIX_FADV_WILLNEED)) == 3
+
+
+def cached_as_yielded(ds: PackedDataset) -> tuple[bool, list[int], list[bool]]:
+    """A fork loader's first epoch over ``ds`` cached page by page (batches of 2, one in flight per
+    worker): whether it streamed, the indices it yielded, and for each batch whether the cache held any
+    page inside its records when it was yielded (a batch is read, and dropped, before it is sent).
+
+    Checked as each batch arrives, not after the epoch: by then the workers have run on into the next
+    epoch, and the kernel reads ahead around each of their misses (a device's ``read_ahead_kb``, up to
+    megabytes), caching again pages of records that were dropped. That can also happen, rarely, to a
+    batch of the epoch (seen once in 20 runs), so the test allows two such batches before the last
+    four; the same epoch with a loader that keeps the pages has every batch cached."""
+    loader = make_loader(ds, 2, num_workers=2, prefetch_factor=1, evaluation=True, multiprocessing_context="fork")
+    cache(shard_file(ds))
+    indices: list[int] = []
+    cached: list[bool] = []
+    for _, _, batch_indices, _ in loader:
+        resident = resident_pages(shard_file(ds))
+        pages = [page for i in batch_indices.tolist() for page in inner_pages(int(ds._offsets[i]), int(ds._nbytes[i]))]
+        cached.append(bool(resident[pages].any()))
+        indices += batch_indices.tolist()
+    return loader.view.streaming, indices, cached
+
+
+def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypatch):
+    """The workers of a streaming loader drop what they read; those of a loader over a dataset that
+    fits keep it."""
+    ds = PackedDataset(packed.path)
+    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: 2 * ds.manifest.total_bytes)
+    streaming, indices, cached = cached_as_yielded(ds)
+    assert not streaming and indices == list(range(COUNT)) and all(cached)
+    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: ds.manifest.total_bytes // 2)
+    streaming, indices, cached = cached_as_yielded(ds)
+    assert streaming and indices == list(range(COUNT))
+    assert sum(cached[:-4]) <= 2, [k for k, was in enumerate(cached) if was]
+    assert not make_loader(ds, 8, num_workers=0).view.streaming  # no workers: no advice, nothing dropped
+    assert not ds.drop_behind  # the workers' copies dropped pages, not the caller's dataset
+
+
+def test_a_streamed_loader_advises_within_half_the_budget(packed, monkeypatch):
+    ds = PackedDataset(packed.path, block_bytes=1)  # the smallest blocks: many windows
+    per_sample = ds.manifest.total_bytes / len(ds)
+    unbounded = round(LOOKAHEAD_WINDOWS * 2 * len(ds) / ds.block_starts().size)
+    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: int(24 * per_sample))
+    loader = make_loader(ds, 4, num_workers=2, buffer_blocks=2, prefetch_factor=1)
+    assert loader.view.streaming
+    room = int(24 * per_sample) // 2 * len(ds) // ds.manifest.total_bytes - 2 * 1 * 4
+    assert lookahead_samples(loader.view, 2, 8) == min(unbounded, room)
+    assert loader.batch_sampler.lookahead_batches == -(-min(unbounded, room) // 4)
+    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: 4)
+    assert make_loader(ds, 4, num_workers=2, buffer_blocks=2).batch_sampler.lookahead_batches == 0
