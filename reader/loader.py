@@ -366,7 +366,7 @@ def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0) 
     view = as_view(dataset)
     blocks = max(view.block_groups().block_count, 1)
     samples = round(LOOKAHEAD_WINDOWS * buffer_blocks * len(view) / blocks)
-    if getattr(view, "streaming", False):
+    if view.streaming:
         room = page_cache_budget() // 2 * len(view) // max(view.shard_bytes(), 1) - in_flight
         samples = max(0, min(samples, room))
     return samples
