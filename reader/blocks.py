@@ -6,10 +6,12 @@ the same way, so the rule lives here: each shard is cut into blocks of the same 
 records, about ``block_size`` bytes of shard file each (a block never crosses a shard).
 
 ``block_size`` is the asked-for size (8 MiB by default: long enough for a disk to stream) except for
-small datasets, which get smaller blocks so that they still have ``MIN_BLOCKS`` of them (four windows of
-16): otherwise one window would span the whole dataset, the first batch would wait for every byte of
-it, and reading could not overlap decoding. Blocks never shrink below 1 MiB, where a slow disk starts
-to lose bandwidth to seeks.
+datasets under 2 GiB, which get smaller blocks so that they still have ``MIN_BLOCKS`` of them (sixteen
+windows of 16). Why: on a cold cache the first batch of an epoch draws from every block of the first
+window, so it waits until the disk has read that whole window, and the last window's records are all
+decoded after the disk has finished; with a window at most a sixteenth of the dataset, neither end
+costs more than a sixteenth of the epoch's disk time (BENCHMARKS.md, "Cold reads from a slow disk").
+Blocks never shrink below 1 MiB, where a slow disk starts to lose bandwidth to seeks.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import numpy as np
 from reader.format import ShardInfo
 
 DEFAULT_BLOCK_BYTES = 8 << 20
-MIN_BLOCKS = 64
+MIN_BLOCKS = 256
 MIN_BLOCK_BYTES = 1 << 20
 
 

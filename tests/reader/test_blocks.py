@@ -14,13 +14,14 @@ def shard(records: int, nbytes: int) -> ShardInfo:
 
 
 def test_large_datasets_get_the_asked_size() -> None:
-    assert block_size([shard(5000, 800 * MIB)], 8 * MIB) == 8 * MIB
+    assert block_size([shard(50000, 4000 * MIB)], 8 * MIB) == 8 * MIB
 
 
 def test_small_datasets_get_at_least_min_blocks_but_never_under_one_mib() -> None:
-    size = block_size([shard(5000, 83 * MIB)], 8 * MIB)
-    assert size == 83 * MIB // MIN_BLOCKS
-    assert len(block_starts([shard(5000, 83 * MIB)], size)) >= MIN_BLOCKS
+    size = block_size([shard(50000, 830 * MIB)], 8 * MIB)
+    assert size == 830 * MIB // MIN_BLOCKS
+    assert len(block_starts([shard(50000, 830 * MIB)], size)) >= MIN_BLOCKS
+    assert block_size([shard(5000, 83 * MIB)], 8 * MIB) == MIN_BLOCK_BYTES
     assert block_size([shard(100, 3 * MIB)], 8 * MIB) == MIN_BLOCK_BYTES
     assert block_size([shard(100, 3 * MIB)], 4096) == 4096  # an explicit small size is kept
 
