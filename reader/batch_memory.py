@@ -3,6 +3,9 @@
 Why: a fresh 38 MB batch (256 raw 224x224 images) is ~9,400 new pages, and faulting in a new page
 costs 2-6 us on the virtual machines this was measured on: 20-50 ms per batch, five to ten times the
 cost of reading the batch itself. Reusing buffers whose pages are already mapped removes that cost.
+A new slot has its pages faulted in when it is made, before the batch's records are read
+(``PackedDataset`` takes a JPEG batch's buffer first): on a cold cache a worker's first batches wait
+for the disk, and that wait now covers the faults instead of the decode paying for them after it.
 
 Three cases, picked per process:
 
@@ -54,6 +57,7 @@ class _Slot:
 
     def __init__(self, capacity: int, shared: bool) -> None:
         self.tensor = _fresh(capacity + TRAILER, shared)
+        self.tensor.zero_()  # faults every page in now, while a cold batch's blocks are still on their way
         self.capacity = capacity
         trailer = self.tensor.numpy()[capacity:]
         trailer[:STATE_BYTE] = np.frombuffer(MAGIC, dtype=np.uint8)

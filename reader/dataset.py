@@ -336,24 +336,28 @@ class PackedDataset(Dataset):
                 zip(flat.split(nbytes.tolist()), records.heights[idx].tolist(), records.widths[idx].tolist())]
 
     def _read_decoded(self, idx: np.ndarray, allocate: Allocator) -> Images:
+        """Read the payloads into the scratch buffer, then decode them into the batch. The batch is taken
+        before the reads: a fresh buffer's pages are faulted in when it is made (``reader.batch_memory``),
+        so on a cold cache that work overlaps the disk reading the blocks instead of following it."""
         records = self._records
         nbytes = records.nbytes[idx]
         total = int(nbytes.sum())
-        if len(self._scratch) < total:
-            self._scratch = bytearray(total + total // 4)
-        scratch = memoryview(self._scratch)[:total]
-        payloads = _split_view(scratch, nbytes)
-        self._read_payloads(idx, payloads)
         heights, widths = records.heights[idx].tolist(), records.widths[idx].tolist()
         if self.manifest.shape is not None:
             _, h, w = self.manifest.shape
             batch = allocate((len(idx), h, w, 3))
+        else:
+            sizes = [3 * h * w for h, w in zip(heights, widths)]
+            batch = allocate((sum(sizes),))
+        if len(self._scratch) < total:
+            self._scratch = bytearray(total + total // 4)
+        payloads = _split_view(memoryview(self._scratch)[:total], nbytes)
+        self._read_payloads(idx, payloads)
+        if self.manifest.shape is not None:
             rows = batch.numpy()
             self.decode_threads.run(lambda k: self._decode(idx[k], payloads[k], rows[k]), len(idx))
             return batch.permute(0, 3, 1, 2)
-        sizes = [3 * h * w for h, w in zip(heights, widths)]
-        pixels = [part.view(h, w, 3) for part, h, w in
-                  zip(allocate((sum(sizes),)).split(sizes), heights, widths)]
+        pixels = [part.view(h, w, 3) for part, h, w in zip(batch.split(sizes), heights, widths)]
         self.decode_threads.run(lambda k: self._decode(idx[k], payloads[k], pixels[k].numpy()), len(idx))
         return [image.permute(2, 0, 1) for image in pixels]
 
