@@ -1,6 +1,7 @@
 """Cold reads from a slow disk: every epoch against the disk's own sequential rate, measured in the same run.
 
-    python scripts/bench_cold.py run --mnt MNT SET [SET ...] [--ffcv BETON] [--epochs 1] [--orders quasi_random,random]
+    python scripts/bench_cold.py run --mnt MNT SET [SET ...] [--ffcv BETON [--ffcv-orders random,quasi_random]]
+        [--epochs 1] [--orders quasi_random,random]
         [--before CHECKOUT] [--mem SIZE]
 
 Each ``SET`` is a packed dataset on the slow disk (``../shared/tools/slowdisk up``, 100 MB/s, 200 read
@@ -8,8 +9,9 @@ IOPS), written ``[LABEL=]PATH``. For each set: ``cat`` of its shard files under 
 page cache dropped first): the disk's sequential rate; then, per order, a loader (batch 256, 2 workers)
 reading ``--epochs`` epochs under ``slowdisk run``. ``--before CHECKOUT`` runs another checkout's reader
 on the same set right after (set ``PYTHONPATH`` to it); ``--ffcv`` adds FFCV 1.0.2's loader
-(``RANDOM``, ``os_cache=True``, 2 threads; from ``--ffcv-python``, a venv of its own, never a
-dependency of this project) over a ``.beton`` on the same disk; ``--mem`` runs the readers with
+(2 threads; ``--ffcv-orders``: ``RANDOM`` with ``os_cache=True`` and ``QUASI_RANDOM``, its two cold
+settings; from ``--ffcv-python``, a venv of its own, never a dependency of this project) over a
+``.beton`` on the same disk; ``--mem`` runs the readers with
 ``SLOW_MEM`` (memory and page cache capped: a set larger than that is read from the disk every epoch).
 
 Reported per run: img/s, seconds, the first batch's wait, what the disk served (bytes, the number and
@@ -33,6 +35,7 @@ BLKIO = Path("/sys/fs/cgroup/blkio/slowdisk")
 HERE = Path(__file__).resolve()
 SLOWDISK = os.environ.get("SLOWDISK", str(HERE.parents[2] / "shared" / "tools" / "slowdisk"))  # beside the checkout
 CAT = ["sh", "-c", 'cat "$@" > /dev/null', "cat"]  # the files follow
+FFCV_ORDERS = {"random": "RANDOM os_cache", "quasi_random": "QUASI_RANDOM"}
 
 
 def read_epochs(dataset: str, order: str, epochs: int, workers: int) -> list[dict]:
@@ -117,9 +120,11 @@ def run(args: argparse.Namespace) -> None:
         print(f"{beton.name}: {size / 1e6:,.1f} MB; cat cold {size / seconds / 1e6:.1f} MB/s", flush=True)
         if not args.ffcv_python:
             raise SystemExit("--ffcv needs --ffcv-python (or FFCV_PYTHON): the interpreter of FFCV's own venv")
-        command = [args.ffcv_python, str(HERE), "ffcv", str(beton), "--epochs", str(args.epochs)]
-        rows.extend(_row("FFCV 1.0.2, RANDOM os_cache", command, device, args.mem, payload, size,
-                         size / seconds, 1))
+        for order in args.ffcv_orders.split(","):
+            command = [args.ffcv_python, str(HERE), "ffcv", str(beton), "--epochs", str(args.epochs),
+                       "--order", order]
+            rows.extend(_row(f"FFCV 1.0.2, {FFCV_ORDERS[order]}", command, device, args.mem, payload, size,
+                             size / seconds, 1))
     print("\n| reader, order | epoch | img/s | s | first batch s | read MB | IOs | mean IO KiB | MB/s "
           "| x payload bound |\n|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
@@ -165,6 +170,8 @@ def main() -> None:
     p.add_argument("--ffcv")
     p.add_argument("--ffcv-python", default=os.environ.get("FFCV_PYTHON"),
                    help="FFCV's venv interpreter [$FFCV_PYTHON]")
+    p.add_argument("--ffcv-orders", default="random,quasi_random",
+                   help="FFCV's orders: random (RANDOM, os_cache), quasi_random (QUASI_RANDOM)")
     p.add_argument("--mem")
     p.add_argument("--json")
     for name in ("read", "ffcv"):
@@ -180,7 +187,7 @@ def main() -> None:
         print(json.dumps(read_epochs(args.path, args.order, args.epochs, args.workers)))
     else:
         from bench_ffcv import run_ffcv
-        print(json.dumps(run_ffcv(args.path, args.epochs, args.workers)))
+        print(json.dumps(run_ffcv(args.path, args.epochs, args.workers, args.order)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """This project's loader and FFCV 1.0.2 side by side, in one run, on the same pre-cropped images.
 
-    python scripts/bench_ffcv.py prepare DATA --ffcv-python PY   # .npy export + FFCV .betons
+    python scripts/bench_ffcv.py prepare DATA --ffcv-python PY [--set raw-lmdb] [--encodings jpeg,raw]
+        # .npy export of DATA/SET's pixels + FFCV .betons of them
     python scripts/bench_ffcv.py compare DATA --ffcv-python PY [--rounds 3] [--epochs 3] [--cold-root MNT]
         [--before CHECKOUT]   # also run another checkout's loader in every round (before/after)
 
@@ -8,9 +9,10 @@ FFCV lives in its own virtual environment (``--ffcv-python``: its interpreter), 
 dependency of this project: the script calls it through a subprocess, and runs this project's loader
 in a subprocess of its own, so each reader starts with fresh worker processes. ``DATA`` holds the
 packed sets ``raw-lmdb`` and ``jpeg-lmdb`` (``scripts/bench_read`` makes them, ``--resize 256 --crop
-224``); ``prepare`` exports the raw set's pixels (the pre-cropped images) and labels to ``.npy`` and
-writes FFCV's ``.beton`` from them: ``RGBImageField(write_mode="jpg", jpeg_quality=90,
-max_resolution=224)`` and ``write_mode="raw"``.
+224``); ``prepare`` exports the pixels (the pre-cropped images) and labels of the set ``--set`` (default
+``raw-lmdb``; a JPEG set's records decoded) to ``.npy`` and writes FFCV's ``.beton``s of the
+``--encodings`` from them: ``jpeg.beton`` with ``RGBImageField(write_mode="jpg", jpeg_quality=90,
+max_resolution=224)`` and ``raw.beton`` with ``write_mode="raw"``.
 
 ``compare`` alternates rounds (ours, FFCV, ours, FFCV, ...) so that load from other processes falls
 on both, and prints per encoding the median warm img/s (epochs 2 and later, page cache warm), the
@@ -46,14 +48,18 @@ def run_ours(dataset: str, epochs: int, workers: int, threads: int | None) -> li
                    pids=lambda: [w.pid for w in getattr(loader._iterator, "_workers", [])])
 
 
-def run_ffcv(beton: str, epochs: int, workers: int) -> list[dict]:
-    """Per-epoch figures of FFCV's Loader over a .beton (runs in FFCV's venv)."""
+def run_ffcv(beton: str, epochs: int, workers: int, order: str = "random") -> list[dict]:
+    """Per-epoch figures of FFCV's Loader over a .beton (runs in FFCV's venv): ``order`` "random"
+    (``OrderOption.RANDOM``, ``os_cache=True``) or "quasi_random" (``QUASI_RANDOM``, which FFCV allows
+    only with ``os_cache=False``: its own page-sized reads and memory)."""
     from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
     from ffcv.transforms import ToTensor
 
-    loader = Loader(beton, batch_size=BATCH, num_workers=workers, order=OrderOption.RANDOM,
-                    os_cache=True, drop_last=False,
+    quasi = order == "quasi_random"
+    loader = Loader(beton, batch_size=BATCH, num_workers=workers,
+                    order=OrderOption.QUASI_RANDOM if quasi else OrderOption.RANDOM,
+                    os_cache=not quasi, drop_last=False,
                     pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
                                "label": [IntDecoder(), ToTensor()]})
     return _epochs(loader, epochs, set_epoch=False, pids=lambda: [])
@@ -128,14 +134,15 @@ def decode_bound(dataset: str) -> float:
     return best
 
 
-def export_npy(data: Path) -> None:
-    """The raw set's pixels as ``images.npy`` (N, 224, 224, 3) and ``labels.npy`` (runs in our venv)."""
+def export_npy(data: Path, source: str) -> None:
+    """The pixels of the packed set ``data/source`` as ``images.npy`` (N, 224, 224, 3) and ``labels.npy``
+    (runs in our venv)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import numpy as np
 
     from reader import PackedDataset
 
-    dataset = PackedDataset(data / "raw-lmdb")
+    dataset = PackedDataset(data / source)
     images = np.lib.format.open_memmap(data / "images.npy", "w+", np.uint8, (len(dataset), 224, 224, 3))
     for start in range(0, len(dataset), BATCH):
         batch, _ = dataset.read_batch(list(range(start, min(start + BATCH, len(dataset)))))
@@ -144,8 +151,8 @@ def export_npy(data: Path) -> None:
     np.save(data / "labels.npy", dataset.targets.astype(np.int64))
 
 
-def write_betons(data: Path) -> None:
-    """FFCV's .betons of the exported images, JPEG q90 and raw (runs in FFCV's venv)."""
+def write_betons(data: Path, encodings: list[str]) -> None:
+    """FFCV's .betons of the exported images, JPEG q90 and/or raw (runs in FFCV's venv)."""
     import numpy as np
     from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
@@ -161,6 +168,8 @@ def write_betons(data: Path) -> None:
             return np.ascontiguousarray(images[i]), int(labels[i])
 
     for name, mode in (("jpeg", "jpg"), ("raw", "raw")):
+        if name not in encodings:
+            continue
         writer = DatasetWriter(str(data / f"{name}.beton"), {
             "image": RGBImageField(write_mode=mode, jpeg_quality=90, max_resolution=224),
             "label": IntField()}, num_workers=2)
@@ -257,6 +266,8 @@ def main() -> None:
         p.add_argument("--encodings", default="jpeg,raw")
         p.add_argument("--cold-root", default=None)
         p.add_argument("--before", default=None, help="another checkout of this project, run alongside")
+        if name == "prepare":
+            p.add_argument("--set", default="raw-lmdb", help="the packed set under DATA whose pixels FFCV packs")
     for name in ("ours", "ffcv"):
         p = sub.add_parser(name)
         p.add_argument("path")
@@ -264,8 +275,12 @@ def main() -> None:
         p.add_argument("--workers", type=int, default=2)
         p.add_argument("--threads", type=int, default=None)
     sub.add_parser("bound").add_argument("path")
-    sub.add_parser("export").add_argument("data")
-    sub.add_parser("betons").add_argument("data")
+    p = sub.add_parser("export")
+    p.add_argument("data")
+    p.add_argument("--set", default="raw-lmdb")
+    p = sub.add_parser("betons")
+    p.add_argument("data")
+    p.add_argument("--encodings", default="jpeg,raw")
     args = parser.parse_args()
     if args.command == "ours":
         print(json.dumps(run_ours(args.path, args.epochs, args.workers, args.threads)))
@@ -274,12 +289,12 @@ def main() -> None:
     elif args.command == "bound":
         print(json.dumps(decode_bound(args.path)))
     elif args.command == "export":
-        export_npy(Path(args.data))
+        export_npy(Path(args.data), args.set)
     elif args.command == "betons":
-        write_betons(Path(args.data))
+        write_betons(Path(args.data), args.encodings.split(","))
     elif args.command == "prepare":
-        subprocess.run([sys.executable, __file__, "export", args.data], check=True)
-        subprocess.run([args.ffcv_python, __file__, "betons", args.data], check=True)
+        subprocess.run([sys.executable, __file__, "export", args.data, "--set", args.set], check=True)
+        subprocess.run([args.ffcv_python, __file__, "betons", args.data, "--encodings", args.encodings], check=True)
     else:
         compare(args)
 
