@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> None:
         for order in args.ffcv_orders.split(","):
             command = [args.ffcv_python, str(HERE), "ffcv", str(beton), "--epochs", str(args.epochs),
                        "--order", order]
-            rows.extend(_row(f"FFCV 1.0.2, {FFCV_ORDERS[order]}", command, device, args.mem, payload, size,
+            # its bound: the whole file at the rate cat read it (the JPEG payloads and FFCV's index)
+            rows.extend(_row(f"FFCV 1.0.2, {FFCV_ORDERS[order]}", command, device, args.mem, size, size,
                              size / seconds, 1))
     print("\n| reader, order | epoch | img/s | s | first batch s | read MB | IOs | mean IO KiB | MB/s "
           "| x payload bound |\n|---|---|---|---|---|---|---|---|---|---|")
