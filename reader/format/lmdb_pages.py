@@ -45,6 +45,10 @@ _LAST_PAGE_AT = 136
 _TXNID_AT = 144
 _META_END = 152
 _NO_PAGE = (1 << 64) - 1  # md_root of an empty database
+# LMDB's page size is the OS page size where it was written: 4 KiB on x86-64 and most ARM machines. The
+# first read takes that much more than meta page 0, so that meta page 1 comes with it: on a disk that
+# allows 200 reads a second, a read less per shard is 5 ms less before a cold epoch's first batch.
+_USUAL_PAGE_SIZE = 4096
 _PAGE_HEADER = 16
 _NODE_HEADER = 8
 _BRANCH, _LEAF, _OVERFLOW = 0x01, 0x02, 0x04
@@ -77,9 +81,12 @@ def check_lmdb_meta(path: str | os.PathLike, file_size: int, shown: Path) -> Lmd
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        first = os.pread(fd, _META_END, 0)
+        head = os.pread(fd, _USUAL_PAGE_SIZE + _META_END, 0)  # both metas in one disk read, usually
+        first = head[:_META_END]
         page_size = struct.unpack_from("<I", first, _PAGE_SIZE_AT)[0] if len(first) == _META_END else 0
-        second = os.pread(fd, _META_END, page_size) if page_size else b""
+        second = head[page_size:page_size + _META_END] if page_size else b""
+        if page_size and len(second) < _META_END:
+            second = os.pread(fd, _META_END, page_size)
     finally:
         os.close(fd)
     for number, page in enumerate((first, second)):
