@@ -342,24 +342,24 @@ class PackedDataset(Dataset):
         records = self._records
         nbytes = records.nbytes[idx]
         total = int(nbytes.sum())
-        heights, widths = records.heights[idx].tolist(), records.widths[idx].tolist()
+        images: Images  # what is returned: CHW views of the HWC ``outputs`` the records decode into
         if self.manifest.shape is not None:
             _, h, w = self.manifest.shape
             batch = allocate((len(idx), h, w, 3))
+            outputs: np.ndarray | list[np.ndarray] = batch.numpy()
+            images = batch.permute(0, 3, 1, 2)
         else:
+            heights, widths = records.heights[idx].tolist(), records.widths[idx].tolist()
             sizes = [3 * h * w for h, w in zip(heights, widths)]
-            batch = allocate((sum(sizes),))
+            pixels = [part.view(h, w, 3) for part, h, w in zip(allocate((sum(sizes),)).split(sizes), heights, widths)]
+            outputs = [image.numpy() for image in pixels]
+            images = [image.permute(2, 0, 1) for image in pixels]
         if len(self._scratch) < total:
             self._scratch = bytearray(total + total // 4)
         payloads = _split_view(memoryview(self._scratch)[:total], nbytes)
         self._read_payloads(idx, payloads)
-        if self.manifest.shape is not None:
-            rows = batch.numpy()
-            self.decode_threads.run(lambda k: self._decode(idx[k], payloads[k], rows[k]), len(idx))
-            return batch.permute(0, 3, 1, 2)
-        pixels = [part.view(h, w, 3) for part, h, w in zip(batch.split(sizes), heights, widths)]
-        self.decode_threads.run(lambda k: self._decode(idx[k], payloads[k], pixels[k].numpy()), len(idx))
-        return [image.permute(2, 0, 1) for image in pixels]
+        self.decode_threads.run(lambda k: self._decode(idx[k], payloads[k], outputs[k]), len(idx))
+        return images
 
     def _decode(self, record: int, payload: memoryview, out: np.ndarray) -> None:
         try:
