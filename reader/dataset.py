@@ -336,9 +336,10 @@ class PackedDataset(Dataset):
                 zip(flat.split(nbytes.tolist()), records.heights[idx].tolist(), records.widths[idx].tolist())]
 
     def _read_decoded(self, idx: np.ndarray, allocate: Allocator) -> Images:
-        """Read the payloads into the scratch buffer, then decode them into the batch. The batch is taken
-        before the reads: a fresh buffer's pages are faulted in when it is made (``reader.batch_memory``),
-        so on a cold cache that work overlaps the disk reading the blocks instead of following it."""
+        """Read the payloads into the scratch buffer and decode them into the batch, each shard's records
+        as soon as they are read (all at once with ``decode_threads``). The batch is taken before the
+        reads: a fresh buffer's pages are faulted in when it is made (``reader.batch_memory``), so on a
+        cold cache that work overlaps the disk reading the blocks instead of following it."""
         records = self._records
         nbytes = records.nbytes[idx]
         total = int(nbytes.sum())
@@ -357,8 +358,16 @@ class PackedDataset(Dataset):
         if len(self._scratch) < total:
             self._scratch = bytearray(total + total // 4)
         payloads = _split_view(memoryview(self._scratch)[:total], nbytes)
-        self._read_payloads(idx, payloads)
-        self.decode_threads.run(lambda k: self._decode(idx[k], payloads[k], outputs[k]), len(idx))
+
+        def decode(members: list[int]) -> None:
+            self.decode_threads.run(lambda k: self._decode(idx[members[k]], payloads[members[k]],
+                                                           outputs[members[k]]), len(members))
+
+        if self.decode_threads.threads > 1:  # threads are handed the whole batch at once, not a shard's part
+            self._read_payloads(idx, payloads)
+            decode(list(range(len(idx))))
+        else:  # decoded shard by shard, as each shard is read (``_read_payloads``)
+            self._read_payloads(idx, payloads, then=decode)
         return images
 
     def _decode(self, record: int, payload: memoryview, out: np.ndarray) -> None:
@@ -375,18 +384,27 @@ class PackedDataset(Dataset):
     def _shard_of(self, idx: np.ndarray) -> np.ndarray:
         return np.searchsorted(self._shard_starts, idx, side="right") - 1
 
-    def _read_payloads(self, idx: np.ndarray, destinations: list[memoryview]) -> None:
-        """Fill ``destinations[k]`` with record ``idx[k]``'s payload, one shard at a time."""
+    def _read_payloads(self, idx: np.ndarray, destinations: list[memoryview],
+                       then: Callable[[list[int]], None] | None = None) -> None:
+        """Fill ``destinations[k]`` with record ``idx[k]``'s payload, one shard at a time, calling
+        ``then`` with the positions ``k`` of each shard's records once they are read.
+
+        ``_read_decoded`` decodes each shard's records there, so it decodes while the disk still
+        reads the next shard's blocks (advised ahead by the loader's main process, in shard order): on a
+        cold cache a batch then waits after its last block only for that shard's decode, not the whole
+        batch's (BENCHMARKS.md, "Cold reads from a slow disk")."""
         shards = self._shard_of(idx)
         for shard in np.unique(shards).tolist():
-            members = np.flatnonzero(shards == shard)
+            members = np.flatnonzero(shards == shard).tolist()
             records = idx[members]
             self._files.read(shard, ReadRequest(
                 offsets=self._records.offsets[records],
                 nbytes=self._records.nbytes[records],
-                destinations=[destinations[k] for k in members.tolist()],
+                destinations=[destinations[k] for k in members],
                 records=records,
             ))
+            if then is not None:
+                then(members)
 
 
 def _private_batch(shape: tuple[int, ...]) -> torch.Tensor:

@@ -233,3 +233,27 @@ def test_a_subclass_that_reads_its_own_way_is_refused(raw_path, cls, methods, wr
                                         "to a plain torch DataLoader instead, or apply that code to make_loader's "
                                         "batches$"):
         make_loader(given, BATCH, num_workers=0)
+
+
+def test_jpeg_batch_is_decoded_shard_by_shard_as_each_is_read(jpeg_path, monkeypatch):
+    """A JPEG batch's records are decoded right after their shard's read, before the next shard is
+    read: on a cold cache the decode then overlaps the disk reading the next shard's blocks."""
+    ds = PackedDataset(jpeg_path)
+    events = []
+    real_read, real_decode = ds._files.read, ds._decode
+    monkeypatch.setattr(ds._files, "read", lambda shard, request: (events.append(("read", shard)),
+                                                                   real_read(shard, request))[1])
+    monkeypatch.setattr(ds, "_decode", lambda record, payload, out: (events.append(("decode", int(record))),
+                                                                     real_decode(record, payload, out))[1])
+    order = np.random.default_rng(3).permutation(COUNT)
+    images, labels = ds.read_batch(order)
+    shard_of = ds._shard_of(order)
+    assert len(np.unique(shard_of)) >= 3
+    expected = []
+    for shard in np.unique(shard_of).tolist():
+        expected += [("read", shard)] + [("decode", int(i)) for i in order[shard_of == shard]]
+    assert events == expected
+    assert labels.tolist() == ds.targets[order].tolist()
+    for image, i in zip(images, order.tolist()):
+        assert torch.equal(image, ds[i][0])
+
