@@ -299,7 +299,7 @@ def make_loader(
         view,
         batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead),
         collate_fn=hand_over,
-        worker_init_fn=start_worker,
+        worker_init_fn=functools.partial(start_worker, batch_nbytes=view.batch_nbytes(batch_size)),
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=prefetch,
@@ -310,10 +310,10 @@ def make_loader(
     )
 
 
-def start_worker(worker_id: int) -> None:
-    """``worker_init_fn`` of ``make_loader``: hand batches over (``enable_handoff``), drop the pages
-    read of a streamed dataset (``PackedView.enter_worker``) and freeze the objects the worker starts
-    with (``gc.freeze``).
+def start_worker(worker_id: int, batch_nbytes: int | None = None) -> None:
+    """``worker_init_fn`` of ``make_loader``: hand batches over (``enable_handoff``, which makes the
+    first batch slot now when every batch has ``batch_nbytes``), drop the pages read of a streamed
+    dataset (``PackedView.enter_worker``) and freeze the objects the worker starts with (``gc.freeze``).
 
     Why freeze: a worker starts with torch's ~170,000 objects (inherited under fork, imported under
     spawn). A full collection walks them all, about 0.1 s on a slow core, once every few hundred
@@ -323,7 +323,7 @@ def start_worker(worker_id: int) -> None:
 
     Also, at exit, wait for the data queue's feeder thread (``_join_queue_feeders``).
     """
-    enable_handoff(worker_id)
+    enable_handoff(worker_id, batch_nbytes)
     info = torch.utils.data.get_worker_info()
     if info is not None and isinstance(info.dataset, PackedView):
         info.dataset.enter_worker()

@@ -16,6 +16,7 @@ dataset goes through a plain ``DataLoader``, since ``PackedDataset`` follows tor
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -69,6 +70,13 @@ class PackedView(Dataset):
         counts = np.bincount(self._located.numpy()[0], minlength=len(self.parts))
         return int(sum(part.manifest.total_bytes * int(count) // max(len(part), 1)
                        for part, count in zip(self.parts, counts)))
+
+    def batch_nbytes(self, batch_size: int) -> int | None:
+        """The bytes of a full batch's images when every record has the same shape (manifest
+        ``shape``) in every part; else None."""
+        shapes = {None if part.manifest.shape is None else tuple(part.manifest.shape) for part in self.parts}
+        shape = shapes.pop() if len(shapes) == 1 else None
+        return None if shape is None else batch_size * math.prod(shape)
 
     @property
     def readahead(self) -> bool:

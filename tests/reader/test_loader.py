@@ -257,3 +257,19 @@ def test_jpeg_batch_is_decoded_shard_by_shard_as_each_is_read(jpeg_path, monkeyp
     for image, i in zip(images, order.tolist()):
         assert torch.equal(image, ds[i][0])
 
+
+def test_workers_make_their_first_slot_before_their_first_batch(raw_path, jpeg_path, tmp_path):
+    """make_loader's workers make a full batch's slot when they start (its pages faulted in), for
+    datasets whose batches all have one size; the first batch then takes that slot."""
+    for path in (raw_path, jpeg_path):
+        loader = make_loader(PackedDataset(path), BATCH, num_workers=2)
+        assert loader.worker_init_fn.keywords == {"batch_nbytes": BATCH * 3 * 16 * 24}
+    mixed = pack_images(tmp_path / "mixed", make_images(6, [(16, 24), (12, 20)]), [0] * 6,
+                        storage="lmdb", encoding="raw", records_per_shard=15).path
+    assert make_loader(PackedDataset(mixed), BATCH, num_workers=2).worker_init_fn.keywords == {"batch_nbytes": None}
+    pool = batch_memory._Pool(shared=False)
+    pool.reserve(1000)
+    pool.reserve(900)  # fits the slot made already
+    (slot,) = pool.slots
+    assert slot.capacity == 1000 + 1000 // batch_memory._HEADROOM
+    assert pool.take(1000).data_ptr() == slot.tensor.data_ptr() and len(pool.slots) == 1
