@@ -18,7 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from packer.errors import PackError
@@ -76,7 +76,7 @@ def _join(out: Path, paths: list[Path], manifests: list[Manifest], classes: list
         for shard in manifest.shards:
             name = shard_file_name(len(shards), manifest.storage)
             linked += _link_or_copy(path / shard.file, out / name, shard)
-            shards.append(ShardInfo(name, shard.records, shard.bytes, shard.checksum))
+            shards.append(replace(shard, file=name))
     fsync_directory(out)
     first = manifests[0]
     joined = Manifest(

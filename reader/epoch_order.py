@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Iterator, NamedTuple, cast
 
 import numpy as np
+from numpy.random import PCG64, Generator  # numpy loads its random module lazily: here, not at the first epoch
 
 
 class BlockGroups(NamedTuple):
@@ -66,7 +67,7 @@ class EpochOrder:
 class RandomOrder(EpochOrder):
     """A uniform permutation, drawn from ``rng`` on first use."""
 
-    def __init__(self, size: int, rng: np.random.Generator) -> None:
+    def __init__(self, size: int, rng: Generator) -> None:
         super().__init__(size)
         self._rng = rng
         self._order: np.ndarray | None = None
@@ -81,7 +82,7 @@ class QuasiRandomOrder(EpochOrder):
     """The blocks of ``groups`` shuffled, then the records of each window of ``buffer_blocks`` consecutive
     shuffled blocks shuffled, window by window as positions are asked for (module docstring)."""
 
-    def __init__(self, groups: BlockGroups, buffer_blocks: int, rng: np.random.Generator) -> None:
+    def __init__(self, groups: BlockGroups, buffer_blocks: int, rng: Generator) -> None:
         sizes = np.diff(groups.bounds)
         super().__init__(int(sizes.sum()))
         self._groups = groups
@@ -114,10 +115,10 @@ class QuasiRandomOrder(EpochOrder):
         records = np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
         if self._groups.positions is not None:
             records = self._groups.positions[records]
-        bit_generator = np.random.PCG64()  # default_rng's
+        bit_generator = PCG64()  # default_rng's
         bit_generator.state = cast(Any, self._state)
         bit_generator.advance(int(self._window_bounds[window]))
-        within = np.random.Generator(bit_generator).random(total)
+        within = Generator(bit_generator).random(total)
         order = records[np.argsort(within, kind="stable")].astype(np.int64)
         self._last = (window, order)
         return order

@@ -79,6 +79,14 @@ def truncate_to(path: Path, fraction: float) -> int:
     return size
 
 
+def tables_in_containers(dst: Path) -> Path:
+    """Make every shard's record table be looked up in its container (``table_offset`` null, as for
+    shards from before format version 4), for tests that attack the containers' own tables and the
+    readers' walk through them; ``tests/format/test_table_offset.py`` attacks the offsets."""
+    edit_manifest(dst, lambda data: [shard.update(table_offset=None) for shard in data["shards"]])
+    return dst
+
+
 def set_manifest_bytes(dst: Path, shard: int, size: int) -> None:
     """Make the manifest agree with a damaged shard's size, as an author hiding the damage would."""
     def edit(data: dict) -> None:

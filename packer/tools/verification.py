@@ -32,7 +32,7 @@ from reader.format import (
 from reader.format.fields import SOURCE, Column, printable
 from reader.format.records import OUTSIDE_THE_FILE
 from reader.format.shard_files import checked_shard, describe_file_type, fd_path, open_checked
-from reader.format.shard_tables import load_shard_columns
+from reader.format.shard_tables import load_shard_columns, table_at_offset
 
 MAX_PROBLEMS_PER_CHECK = 5
 
@@ -96,6 +96,12 @@ def _check_files(
                 if file_checksum(opened, progress=bar.update) != shard.checksum:
                     report.problems.append(f"{shard.file}: checksum mismatch (the file is corrupt or changed)")
                 table = container(manifest.storage).read_table(opened, path, shard.records)
+                if shard.table_offset is not None and \
+                        table_at_offset(fd, shard.table_offset, shard.records, st.st_size, path).tobytes() \
+                        != table.tobytes():
+                    report.problems.append(f"{shard.file}: the record table at the manifest's table_offset "
+                                           f"({shard.table_offset}) is not the one the container holds (the "
+                                           "shard or the manifest was damaged or edited)")
             except FormatError as e:
                 report.problems.append(f"{shard.file}: record table unreadable ({e})")
                 continue

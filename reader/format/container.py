@@ -31,6 +31,7 @@ class ShardWriter(abc.ABC):
         self.tmp_path = self.path.with_name(self.path.name + ".tmp")
         self._rows: list[tuple[int, int, int, int]] = []  # (nbytes, label, height, width)
         self.payload_bytes = 0
+        self.table_offset: int | None = None  # where the finished file holds the table's rows (``finish``)
 
     @property
     def num_records(self) -> int:
@@ -47,7 +48,11 @@ class ShardWriter(abc.ABC):
         """Write the record table (and the named ``arrays``: per-record columns, see
         ``reader.format.fields``), fsync, and rename the shard to its final name. Returns the table.
         An array no reader would accept is a ``ValueError`` naming the shard, before anything is
-        finished (call ``abort()``): a finished shard is always readable."""
+        finished (call ``abort()``): a finished shard is always readable.
+
+        ``table_offset`` is then where the file holds the table's rows, back to back in the record-table
+        dtype (the manifest's ``table_offset``, which readers read in one ``pread``), or None when the
+        container cannot say; it is checked against the file before the shard is published."""
         for name, array in (arrays or {}).items():
             if not is_plain_column(array.dtype, array.shape):
                 raise ValueError(f"{self.path}: array {name} has dtype {array.dtype} and shape {array.shape}; "
@@ -61,6 +66,10 @@ class ShardWriter(abc.ABC):
             self._write_table(table, arrays or {})
             with open(self.tmp_path, "rb+") as f:
                 os.fsync(f.fileno())
+                if self.table_offset is not None and os.pread(f.fileno(), table.nbytes, self.table_offset) \
+                        != table.tobytes():
+                    raise RuntimeError(f"{self.tmp_path}: the record table is not at offset {self.table_offset}, "
+                                       "where the container put it")
         os.replace(self.tmp_path, self.path)
         fsync_directory(self.path.parent)
         return table
@@ -99,7 +108,8 @@ class ShardWriter(abc.ABC):
 
     @abc.abstractmethod
     def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
-        """Store the table and the named arrays inside the shard and close the container."""
+        """Store the table and the named arrays inside the shard and close the container; set
+        ``table_offset`` where the container can tell where the table's rows lie in the file."""
 
     @abc.abstractmethod
     def _close(self) -> None: ...

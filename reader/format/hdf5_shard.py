@@ -62,7 +62,8 @@ class Hdf5ShardWriter(ShardWriter):
     def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
         for name, array in sorted(arrays.items()):
             self._file.create_dataset(f"{ARRAYS_GROUP}/{name}", data=np.ascontiguousarray(array), track_times=False)
-        self._file.create_dataset(TABLE_DATASET, data=table, track_times=False)
+        rows = self._file.create_dataset(TABLE_DATASET, data=table, track_times=False)
+        self.table_offset = rows.id.get_offset()  # None unless stored contiguously (h5py's default)
         self._close()
 
     def _close(self) -> None:

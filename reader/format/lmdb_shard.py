@@ -134,9 +134,15 @@ class LmdbShardWriter(ShardWriter):
         return offsets
 
     def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        blob = _npy_bytes(table)
         self._put([(array_key(name), _npy_bytes(array)) for name, array in sorted(arrays.items())]
-                  + [(TABLE_KEY, _npy_bytes(table))])
+                  + [(TABLE_KEY, blob)])
         self._env.sync(True)
+        with self._env.begin(buffers=True) as txn:
+            view = txn.get(TABLE_KEY)
+            offset = None if view is None else FileMappings(self.tmp_path).file_offset(
+                np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view))
+        self.table_offset = None if offset is None else offset + len(blob) - table.nbytes  # past the .npy header
         self._close()
 
     def _as_os_error(self, error: Exception) -> OSError | None:

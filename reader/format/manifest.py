@@ -17,9 +17,10 @@ from reader.format.fields import FieldSpec
 from reader.format.manifest_schema import check_manifest_data
 
 FORMAT_NAME = "packed-images"
-FORMAT_VERSION = 3
-# version 1: no source paths, no fields, every record labelled; 1-2: one LMDB value per record, no manifest checksum
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+# version 1: no source paths, no fields, every record labelled; 1-2: one LMDB value per record, no manifest
+# checksum; 1-3: no table_offset (readers look every record table up in its container)
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
@@ -35,12 +36,16 @@ MAX_MANIFEST_VALUES = 20_000_000
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One shard file: its name relative to the dataset directory, record count, size and checksum."""
+    """One shard file: its name relative to the dataset directory, record count, size and checksum,
+    and (version 4) where its record table's rows lie in it: ``table_offset``, or None where the
+    table must be looked up in the container (shards written before version 4, or by a container that
+    cannot say)."""
 
     file: str
     records: int
     bytes: int
     checksum: str
+    table_offset: int | None = None
 
 
 @dataclass
@@ -96,6 +101,9 @@ class Manifest:
         data["fields"] = [field.to_json() for field in self.fields]
         if self.format_version == 1:  # a version-1 manifest read back is written as it was
             del data["fields"], data["labelled"]
+        if self.format_version < 4:
+            for shard in data["shards"]:
+                del shard["table_offset"]
         data["class_to_idx"] = self.class_to_idx
         data["num_records"] = self.num_records
         if self.format_version >= 3:

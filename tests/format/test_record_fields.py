@@ -59,7 +59,7 @@ def test_every_field_type_round_trips(tmp_path: Path, storage: str, encoding: st
         ("id", "int"), ("score", "float"), ("caption", "str"), ("tags", "labels"), ("codes", "labels"),
         ("emb", "vector"), ("boxes", "boxes")]
     assert manifest.fields[3].classes == ("indoor", "night", "outdoor") and manifest.fields[5].length == 4
-    assert len(manifest.shards) > 1 and manifest.format_version == 3
+    assert len(manifest.shards) > 1 and manifest.format_version == 4
     ds = PackedDataset(tmp_path / "out")
     for k, row in enumerate(rows()):
         pixels, label = ds[k]
@@ -214,11 +214,11 @@ def test_format_version_1_datasets_still_open() -> None:
 
 
 def test_a_reader_refuses_a_format_version_it_does_not_know(tmp_path: Path) -> None:
-    dst = tmp_path / "v4"
+    dst = tmp_path / "v5"
     shutil.copytree(FIXTURES / "v1-lmdb", dst)
     manifest = dst / "manifest.json"
-    manifest.write_text(manifest.read_text().replace('"format_version": 1', '"format_version": 4'))
-    with pytest.raises(FormatError, match=r"format version 4 is not supported \(this reader reads versions 1, 2, 3"):
+    manifest.write_text(manifest.read_text().replace('"format_version": 1', '"format_version": 5'))
+    with pytest.raises(FormatError, match=r"format version 5 is not supported \(this reader reads versions 1, 2, 3, 4"):
         load_manifest(dst)
 
 

@@ -30,7 +30,7 @@ def test_an_image_folder_records_each_source_path(make_packed_dataset, tmp_path:
     dst = make_packed_dataset(tmp_path, per_class=3, storage=storage, encoding=encoding, crop=24,
                               shard_size=1, partitions=2, workers=2)  # a shard per record
     ds = PackedDataset(dst)
-    assert ds.manifest.format_version == 3 and len(ds.manifest.shards) == 6
+    assert ds.manifest.format_version == 4 and len(ds.manifest.shards) == 6
     expected = [f"{name}/{i:03d}.png" for name in ("cat", "dog") for i in range(3)]
     assert [ds.source(k) for k in range(len(ds))] == expected
     assert ds.source(-1) == expected[-1] and ds.fields(0) == {}

@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 import torch
 from hostile_cases import assert_all_refused, damaged_copies
-from hostile_helpers import assert_one_line_error, edit_manifest, first_shard, flip_bytes, run_cli, set_manifest_bytes
+from hostile_helpers import (
+    assert_one_line_error,
+    edit_manifest,
+    first_shard,
+    flip_bytes,
+    run_cli,
+    set_manifest_bytes,
+    tables_in_containers,
+)
 
 import packer
 from reader import PackedDataset
@@ -25,8 +33,9 @@ from reader.format.lmdb_shard import TABLE_KEY, array_key
 
 @pytest.fixture(params=["lmdb", "hdf5"])
 def packed(request: pytest.FixtureRequest, tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> Path:
-    """Six 16x16 raw records of two classes in two shards."""
-    return make_packed_dataset(tmp_path, storage=request.param, resize=16, crop=16, shard_size=4 * 768)
+    """Six 16x16 raw records of two classes in two shards, record tables looked up in the containers."""
+    return tables_in_containers(make_packed_dataset(tmp_path, storage=request.param, resize=16, crop=16,
+                                                    shard_size=4 * 768))
 
 
 def write_manifest_bytes(data: bytes, *words: str) -> Callable[[Path], tuple[str, ...]]:
@@ -58,7 +67,7 @@ def test_manifests_of_the_wrong_shape_are_one_format_error(tmp_path: Path, make_
         "deep nesting": write_manifest_bytes(b"[" * 200_000),
         "a list": write_manifest_bytes(b"[1, 2]"),
         "huge integer": write_manifest_bytes(
-            text.replace('"format_version": 3', '"format_version": 3' + "0" * 5000).encode()),
+            text.replace('"format_version": 4', '"format_version": 4' + "0" * 5000).encode()),
         "a flipped byte in a class name": write_manifest_bytes(
             text.replace('"cat"', '"cbt"').encode(), "does not match its checksum", "damaged or edited"),
         "no checksum": write_manifest_bytes(
@@ -169,7 +178,7 @@ def raw_lmdb_table(blob: bytes, *words: str) -> Callable[[Path], tuple[str, ...]
 
 
 def test_damaged_npy_tables_never_allocate_or_leak_parser_errors(tmp_path: Path, make_packed_dataset) -> None:
-    dst = make_packed_dataset(tmp_path, storage="lmdb", resize=16, crop=16, shard_size=4 * 768)
+    dst = tables_in_containers(make_packed_dataset(tmp_path, storage="lmdb", resize=16, crop=16, shard_size=4 * 768))
     dtype = "[('offset', '<u8'), ('nbytes', '<u8'), ('label', '<i8'), ('height', '<u4'), ('width', '<u4')]"
     assert_all_refused(damaged_copies(dst, {
         "a trillion rows": raw_lmdb_table(npy_bytes(

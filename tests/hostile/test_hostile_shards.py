@@ -11,15 +11,23 @@ import h5py
 import numpy as np
 import pytest
 from hostile_cases import assert_all_refused, damaged_copies
-from hostile_helpers import assert_one_line_error, edit_manifest, first_shard, run_cli, set_manifest_bytes
+from hostile_helpers import (
+    assert_one_line_error,
+    edit_manifest,
+    first_shard,
+    run_cli,
+    set_manifest_bytes,
+    tables_in_containers,
+)
 
 FRACTIONS = [0.0, 0.1, 0.5, 0.9, 0.999]
 
 
 @pytest.fixture(params=["lmdb", "hdf5"])
 def packed(request: pytest.FixtureRequest, tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> Path:
-    """Six 16x16 raw records in two shards."""
-    return make_packed_dataset(tmp_path, storage=request.param, resize=16, crop=16, shard_size=4 * 768)
+    """Six 16x16 raw records in two shards, record tables looked up in the containers."""
+    return tables_in_containers(make_packed_dataset(tmp_path, storage=request.param, resize=16, crop=16,
+                                                    shard_size=4 * 768))
 
 
 def truncate(fraction: float, hide: bool) -> Callable[[Path], tuple[str, ...]]:
@@ -135,7 +143,7 @@ def compressed_table_bomb(dst: Path) -> tuple[str, ...]:
 
 
 def test_hdf5_tables_in_other_files_are_refused(tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> None:
-    dst = make_packed_dataset(tmp_path, storage="hdf5", resize=16, crop=16, shard_size=10**6)
+    dst = tables_in_containers(make_packed_dataset(tmp_path, storage="hdf5", resize=16, crop=16, shard_size=10**6))
     assert_all_refused(damaged_copies(dst, {
         "external link": relink_table(external_link, "externallink"),
         "soft link": relink_table(soft_link, "softlink"),
@@ -181,7 +189,8 @@ def test_lmdb_trees_pointing_outside_the_file_are_refused_by_the_page_walk(
 ) -> None:
     """The record table is looked up with ``pread`` (``reader.format.lmdb_pages``): every page and value
     it would read is checked against the meta page's last page first, every page's own number too."""
-    dst = make_packed_dataset(tmp_path, per_class=30, storage="lmdb", resize=16, crop=16, shard_size=10**6)
+    dst = tables_in_containers(make_packed_dataset(tmp_path, per_class=30, storage="lmdb", resize=16, crop=16,
+                                                   shard_size=10**6))
     assert_all_refused(damaged_copies(dst, {
         "the table's size past the file": damage_lmdb(table_size, "past the last page", "damaged"),
         "the table's overflow page past the file": damage_lmdb(table_page, "past the last page", "damaged"),

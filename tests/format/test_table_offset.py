@@ -1,0 +1,133 @@
+"""Format version 4: the manifest says where each shard's record table lies (``table_offset``), so a
+reader reads a table in one ``pread``; version-3 datasets still look it up in the container, and
+``packer verify`` checks that both places hold the same table."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from reader_helpers import make_images, pack_images
+
+import packer
+from reader import PackedDataset
+from reader.format import FormatError, container
+from reader.format.manifest import manifest_checksum
+
+COUNT = 37
+
+
+@pytest.fixture(scope="module", params=["lmdb", "hdf5"])
+def packed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dst = tmp_path_factory.mktemp(request.param) / "packed"
+    return pack_images(dst, make_images(COUNT, [(16, 24)]), [i % 3 for i in range(COUNT)],
+                       storage=request.param, encoding="jpeg", records_per_shard=15).path
+
+
+def copy_with_manifest(src: Path, dst: Path, edit) -> Path:
+    """A copy of the dataset ``src`` (shards hard-linked) whose manifest ``edit`` changed, checksum redone."""
+    dst.mkdir()
+    for shard in src.iterdir():
+        if shard.name != "manifest.json":
+            os.link(shard, dst / shard.name)
+    data = json.loads((src / "manifest.json").read_text())
+    data.pop("checksum")
+    edit(data)
+    data["checksum"] = manifest_checksum(data)
+    (dst / "manifest.json").write_text(json.dumps(data))
+    return dst
+
+
+def test_each_shard_records_where_its_table_lies(packed: Path) -> None:
+    ds = PackedDataset(packed)
+    assert ds.manifest.format_version == 4 and len(ds.manifest.shards) == 3
+    for shard in ds.manifest.shards:
+        table = container(ds.manifest.storage).read_table(packed / shard.file, packed / shard.file, shard.records)
+        with open(packed / shard.file, "rb") as f:
+            f.seek(shard.table_offset)
+            assert f.read(table.nbytes) == table.tobytes()
+
+
+def test_a_table_is_one_read(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = []
+    real_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: (reads.append((n, offset)), real_pread(fd, n, offset))[1])
+    ds = PackedDataset(packed)
+    ds._load_table(1)
+    shard = ds.manifest.shards[1]
+    assert reads == [(shard.records * 32, shard.table_offset)]
+
+
+def test_version_3_datasets_look_their_tables_up_in_the_container(packed: Path, tmp_path: Path) -> None:
+    def as_version_3(data: dict) -> None:
+        data["format_version"] = 3
+        for shard in data["shards"]:
+            del shard["table_offset"]
+
+    old = copy_with_manifest(packed, tmp_path / "v3", as_version_3)
+    ds, new = PackedDataset(old), PackedDataset(packed)
+    assert ds.manifest.format_version == 3 and {s.table_offset for s in ds.manifest.shards} == {None}
+    assert ds.targets.tolist() == new.targets.tolist() and ds._offsets.tolist() == new._offsets.tolist()
+    for i in range(0, COUNT, 5):
+        assert torch.equal(ds[i][0], new[i][0])
+    assert packer.verify(old, deep=True, progress=False).ok
+
+
+def test_a_table_offset_past_the_end_is_refused_naming_the_shard(packed: Path, tmp_path: Path) -> None:
+    shards = json.loads((packed / "manifest.json").read_text())["shards"]
+    name, size, rows = shards[1]["file"], shards[1]["bytes"], 32 * shards[1]["records"]
+    bad = copy_with_manifest(packed, tmp_path / "bad", lambda data: data["shards"][1].update(table_offset=size - 100))
+    with pytest.raises(FormatError, match=rf"^{bad / name}: the manifest puts the record table's {rows} bytes at "
+                                          rf"offset {size - 100}, past the end of the file \({size} bytes\)$"):
+        PackedDataset(bad).targets
+    report = packer.verify(bad, progress=False)
+    assert not report.ok and any(name in problem and "past the end" in problem for problem in report.problems)
+
+
+def test_a_table_offset_that_points_elsewhere_is_caught(packed: Path, tmp_path: Path) -> None:
+    """Rows read from the wrong place fail the table's checks when read; ``verify`` names the disagreement."""
+    name = json.loads((packed / "manifest.json").read_text())["shards"][0]["file"]
+    bad = copy_with_manifest(packed, tmp_path / "bad", lambda data: data["shards"][0].update(table_offset=0))
+    with pytest.raises(FormatError, match=rf"^{bad / name}: record \d+"):
+        PackedDataset(bad).targets
+    report = packer.verify(bad, progress=False)
+    assert any(problem == f"{name}: the record table at the manifest's table_offset (0) is not the one the "
+               "container holds (the shard or the manifest was damaged or edited)" for problem in report.problems)
+
+
+@pytest.mark.parametrize("offset, message", [
+    (-1, "has a negative record count, size or table offset"),
+    ("12", "table_offset is a str ('12'), expected int or null"),
+])
+def test_a_bad_table_offset_value_is_named(packed: Path, tmp_path: Path, offset: object, message: str) -> None:
+    bad = copy_with_manifest(packed, tmp_path / "bad", lambda data: data["shards"][2].update(table_offset=offset))
+    with pytest.raises(FormatError, match=r"shards\[2\]"):
+        PackedDataset(bad)
+    with pytest.raises(FormatError) as caught:
+        PackedDataset(bad)
+    assert message in str(caught.value)
+
+
+def test_join_keeps_each_shard_s_table_offset(packed: Path, tmp_path: Path) -> None:
+    again = copy_with_manifest(packed, tmp_path / "again", lambda data: None)
+    joined = packer.join_datasets(tmp_path / "joined", [packed, again])
+    offsets = [s.table_offset for s in PackedDataset(packed).manifest.shards]
+    assert [s.table_offset for s in joined.manifest.shards] == offsets * 2
+    assert packer.verify(tmp_path / "joined", deep=True, progress=False).ok
+    first = PackedDataset(tmp_path / "joined")
+    assert np.array_equal(first.targets, np.concatenate([PackedDataset(packed).targets] * 2))
+
+
+def test_lying_rows_at_the_table_offset_are_refused_naming_the_record(packed: Path, tmp_path: Path) -> None:
+    """The rows read at ``table_offset`` pass the same checks as a table read from the container."""
+    bad = Path(shutil.copytree(packed, tmp_path / "bad"))
+    shard = PackedDataset(bad).manifest.shards[0]
+    with open(bad / shard.file, "r+b") as f:
+        f.seek(shard.table_offset + 32 + 16)  # row 1's label
+        f.write((99).to_bytes(8, "little"))
+    with pytest.raises(FormatError, match=rf"^{bad / shard.file}: record 1\b.*label is not a class index"):
+        PackedDataset(bad).targets
