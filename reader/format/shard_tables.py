@@ -18,7 +18,7 @@ from reader.format.shard_files import FileIdentity, checked_shard, fd_path
 
 def load_shard_table(
     root: Path, storage: str, shard: ShardInfo, num_classes: int | None, encoding: str, shape: list[int] | None,
-    checksum: bool = False,
+    checksum: bool = False, opened: FileIdentity | None = None,
 ) -> tuple[FileIdentity, np.ndarray]:
     """A dataset shard's identity and record table, after every check that is cheap at open time.
 
@@ -26,8 +26,11 @@ def load_shard_table(
     regular file, manifest size), its table is read through the checked descriptor, and its rows must
     pass ``table_problems`` (labels index a class, payloads inside the file, sizes consistent with the
     encoding and shape). With ``checksum``, the whole file must also have the manifest's checksum
-    (this reads the whole shard once). Raises ``FormatError`` naming the shard and, for a bad row, the
-    record (and its source path, where the shard stores one: ``record_source``).
+    (this reads the whole shard once). With ``opened`` (the file's identity when the dataset was
+    opened), a shard replaced since is refused before its table is read: read at the old manifest's
+    ``table_offset``, the new file's bytes would only show as bad rows. Raises ``FormatError`` naming
+    the shard and, for a bad row, the record (and its source path, where the shard stores one:
+    ``record_source``).
 
     Why ``table_offset``: looking a table up in its container takes dependent reads (LMDB: the meta
     pages, the B-tree's root, the value; HDF5 likewise), three per shard. On a disk that serves 200
@@ -36,6 +39,9 @@ def load_shard_table(
     """
     path = root / shard.file
     with checked_shard(root, shard) as (fd, identity):
+        if opened is not None and identity != opened:
+            raise FormatError(f"{path}: shard file was replaced or changed since the dataset was opened "
+                              "(repacked or copied over?); open the dataset again")
         if checksum and file_checksum(fd_path(fd)) != shard.checksum:
             raise FormatError(f"{path}: checksum mismatch (the file is corrupt or changed)")
         if shard.table_offset is None:

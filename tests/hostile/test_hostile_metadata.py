@@ -222,9 +222,15 @@ def repack_with_other_labels(src: Path, dst: Path) -> None:
                 storage=packer.info(dst).storage)
 
 
-def test_shard_replaced_under_an_open_dataset_is_noticed(packed: Path) -> None:
+@pytest.mark.parametrize("tables", ["at table_offset", "in the container"])
+def test_shard_replaced_under_an_open_dataset_is_noticed(
+    tmp_path: Path, make_packed_dataset: Callable[..., Path], tables: str
+) -> None:
     """A shard this process already has open is still the old file (its records still match the old
-    table); one it opens after the repack is refused."""
+    table); one it opens after the repack is refused, whichever way its table is read."""
+    packed = make_packed_dataset(tmp_path, storage="lmdb", resize=16, crop=16, shard_size=4 * 768)
+    if tables == "in the container":
+        tables_in_containers(packed)
     ds = PackedDataset(packed)
     first, label = ds[0]
     repack_with_other_labels(packed.with_name("images"), packed)
