@@ -178,9 +178,9 @@ class PackedDataset(Dataset):
 
     def _load_table(self, shard: int, checksum: bool = False) -> None:
         info = self.manifest.shards[shard]
-        _, table = load_shard_table(self.path, self.manifest.storage, info, self.manifest.label_range,
-                                    self.manifest.encoding, self.manifest.shape, checksum=checksum,
-                                    opened=self._files.identities[shard])
+        table = load_shard_table(self.path, self.manifest.storage, info, self.manifest.label_range,
+                                 self.manifest.encoding, self.manifest.shape, checksum=checksum,
+                                 opened=self._files.identities[shard])
         first = int(self._shard_starts[shard])
         self._records.fill(shard, slice(first, first + len(table)), table)
         if self.readahead:

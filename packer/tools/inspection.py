@@ -78,8 +78,8 @@ def class_counts(path: str | os.PathLike) -> dict[str, int]:
         return {}
     counts = np.zeros(len(manifest.classes), dtype=np.int64)
     for shard in manifest.shards:
-        _, table = load_shard_table(root, manifest.storage, shard, manifest.label_range, manifest.encoding,
-                                    manifest.shape)
+        table = load_shard_table(root, manifest.storage, shard, manifest.label_range, manifest.encoding,
+                                 manifest.shape)
         counts += np.bincount(table["label"], minlength=len(manifest.classes))
     return dict(zip(manifest.classes, counts.tolist()))
 

@@ -120,7 +120,7 @@ class LmdbShardWriter(ShardWriter):
                 view = txn.get(record_key(first))
                 if view is None:
                     raise RuntimeError(f"{self.tmp_path}: chunk {first} was committed but LMDB does not find it")
-                offset = mappings.file_offset(np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view))
+                offset = mappings.file_offset(view)
                 if offset is None:
                     raise RuntimeError(f"{self.tmp_path}: LMDB's map of chunk {first} not found in /proc/self/maps")
                 chunk_offset[k] = offset - within[first]
@@ -140,8 +140,7 @@ class LmdbShardWriter(ShardWriter):
         self._env.sync(True)
         with self._env.begin(buffers=True) as txn:
             view = txn.get(TABLE_KEY)
-            offset = None if view is None else FileMappings(self.tmp_path).file_offset(
-                np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view))
+            offset = None if view is None else FileMappings(self.tmp_path).file_offset(view)
         self.table_offset = None if offset is None else offset + len(blob) - table.nbytes  # past the .npy header
         self._close()
 
@@ -173,9 +172,10 @@ class FileMappings:
         self._key = f" {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} {st.st_ino} "
         self._found: list[tuple[int, int, int]] = []  # (start, end, file offset of start)
 
-    def file_offset(self, address: int, length: int) -> int | None:
-        """The file offset of the ``length`` bytes at ``address``, or None if no single mapping of
-        the file holds them all."""
+    def file_offset(self, view: memoryview) -> int | None:
+        """The file offset of the bytes ``view`` shows (a zero-copy LMDB value), or None if no single
+        mapping of the file holds them all."""
+        address, length = np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view)
         mapping = next((m for m in self._found if m[0] <= address < m[1]), None) or self._find(address)
         if mapping is None or address + length > mapping[1]:
             return None
@@ -199,7 +199,7 @@ def bounded_value(view: memoryview, mappings: FileMappings, file_size: int, show
     A damaged node can claim a value longer than the file, or on pages past its end: copying it would
     touch pages past the end (``SIGBUS``). ``mappings`` says where the file is mapped.
     """
-    start = mappings.file_offset(np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view)) if len(view) else 0
+    start = mappings.file_offset(view) if len(view) else 0
     if start is None or start + len(view) > file_size:
         where = "outside LMDB's map" if start is None else f"at offset {start}"
         raise FormatError(f"{shown}: {what} lies outside the file ({len(view)} bytes {where}); "

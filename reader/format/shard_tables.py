@@ -19,8 +19,8 @@ from reader.format.shard_files import FileIdentity, checked_shard, fd_path
 def load_shard_table(
     root: Path, storage: str, shard: ShardInfo, num_classes: int | None, encoding: str, shape: list[int] | None,
     checksum: bool = False, opened: FileIdentity | None = None,
-) -> tuple[FileIdentity, np.ndarray]:
-    """A dataset shard's identity and record table, after every check that is cheap at open time.
+) -> np.ndarray:
+    """A dataset shard's record table, after every check that is cheap at open time.
 
     The file is checked before any container library sees it (``check_shard_file``: plain name,
     regular file, manifest size), its table is read through the checked descriptor, and its rows must
@@ -53,7 +53,7 @@ def load_shard_table(
         what, rows = min(problems, key=lambda problem: problem[1][0])
         source = record_source(root, storage, shard, int(rows[0]))
         raise FormatError(f"{path}: record {rows[0]}{f' ({source})' if source is not None else ''}: {what}")
-    return identity, table
+    return table
 
 
 def table_at_offset(fd: int, offset: int, records: int, file_size: int, shown: Path) -> np.ndarray:
