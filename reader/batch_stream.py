@@ -20,6 +20,16 @@ it can tell the dataset which records come next. With an ``advise`` callable and
 ones at once, when the stream starts). ``PackedDataset.advise`` then starts reading those records'
 blocks, so on a slow disk the next window of quasi-random blocks is read while the workers decode the
 current one, instead of only once a worker misses in it. The batches yielded are the same either way.
+
+Record tables further ahead (optional, with ``read_tables``): advising a batch needs the record tables
+of its shards, and a table read only then waits behind every block advised before it, while the
+loader's main process, which both advises and hands batches out, waits with it. So each batch is also
+passed to ``read_tables`` ``TABLE_LEAD`` lookaheads before it is advised (``PackedDataset.read_tables_ahead``
+starts reading the tables it lacks): by the time it is advised, the blocks queued before its tables
+have been read. Measured on a 1.2 GB raw set of 36 shards under a 1000 MB cap, its first epoch from
+the slow disk: without it, the main process waited 0.5-0.7 s for each new table in the first batches
+and the first batch came after 2.46 s; with tables one lookahead ahead it still waited up to 1.1 s;
+with two, no table read took over 20 ms in 60 batches and the first batch came after 0.68 s.
 """
 from __future__ import annotations
 
@@ -32,6 +42,8 @@ from torch.utils.data import Sampler
 from reader.arguments import whole_number
 from reader.sampler import ShardSampler
 
+TABLE_LEAD = 2  # lookaheads between a batch's ``read_tables`` and its ``advise`` (module docstring)
+
 
 class BatchStream(Sampler[list[int]]):
     """Batches of ``sampler``'s passes, starting at its current ``(epoch, start)``.
@@ -41,8 +53,9 @@ class BatchStream(Sampler[list[int]]):
     in the sampler's whole epoch, those already yielded before a resume included (``batches_done``);
     an iteration yields the ``batches_left`` (``ShardSampler``'s module docstring says why). ``advise`` (called with a
     batch's indices as a numpy array and the number of its pass in this ``endless()``: 0, 1, ...) sees
-    every batch of ``endless()`` ``ceil(lookahead / batch_size)`` batches before it is yielded (see the
-    module docstring).
+    every batch of ``endless()`` ``ceil(lookahead / batch_size)`` batches before it is yielded, and
+    ``read_tables`` (called with a batch's indices) ``TABLE_LEAD`` times as many batches before that
+    (see the module docstring).
 
     ``sampler`` must be a ``ShardSampler``: a framework that rebuilds the loader around its own
     sampler (Lightning's ``use_distributed_sampler=True``) gets a ``TypeError`` that says what to turn
@@ -56,6 +69,7 @@ class BatchStream(Sampler[list[int]]):
         drop_last: bool,
         *,
         advise: Callable[[np.ndarray, int], None] | None = None,
+        read_tables: Callable[[np.ndarray], None] | None = None,
         lookahead: int = 0,
     ) -> None:
         if not isinstance(sampler, ShardSampler):
@@ -72,6 +86,7 @@ class BatchStream(Sampler[list[int]]):
         self.drop_last = drop_last
         self.epoch_step = 1
         self.advise = advise
+        self.read_tables = read_tables
         self.lookahead_batches = -(-lookahead // batch_size) if advise is not None else 0
 
     def __len__(self) -> int:
@@ -100,19 +115,33 @@ class BatchStream(Sampler[list[int]]):
             yield batch.tolist()
 
     def endless(self) -> Iterator[list[int]]:
-        """Pass after pass from the sampler's current one, each batch advised ahead (module docstring)."""
+        """Pass after pass from the sampler's current one, each batch advised ahead and its record tables
+        read further ahead (module docstring)."""
         batches = self._batches()
         advise = self.advise
         if not self.lookahead_batches or advise is None:
             for _, batch in batches:
                 yield batch.tolist()
             return
-        ahead: deque[np.ndarray] = deque()
-        for number, batch in batches:
+        tables_lead = TABLE_LEAD * self.lookahead_batches if self.read_tables is not None else 0
+        coming: deque[tuple[int, np.ndarray]] = deque()  # tables asked for, not advised yet
+        ahead: deque[np.ndarray] = deque()  # advised, not yielded yet
+
+        def advise_next() -> None:
+            number, batch = coming.popleft()
             advise(batch, number)
             ahead.append(batch)
-            if len(ahead) > self.lookahead_batches:
-                yield ahead.popleft().tolist()
+
+        for number, batch in batches:
+            if self.read_tables is not None:
+                self.read_tables(batch)
+            coming.append((number, batch))
+            if len(coming) > tables_lead:
+                advise_next()
+                if len(ahead) > self.lookahead_batches:
+                    yield ahead.popleft().tolist()
+        while coming:
+            advise_next()
         while ahead:
             yield ahead.popleft().tolist()
 

@@ -40,6 +40,7 @@ from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode_threads import DecodeThreads
 from reader.format import MANIFEST_NAME, FormatError, Manifest, encoding, load_manifest, load_shard_table
 from reader.format.fields import SOURCE
+from reader.format.records import RECORD_TABLE_DTYPE
 from reader.format.shard_files import check_shard_file
 from reader.record_columns import RecordColumns
 from reader.record_fields import RecordFields
@@ -115,6 +116,7 @@ class PackedDataset(Dataset):
         self._files = ShardFiles([self.path / s.file for s in shards], identities, max_gap, layout)
         self._columns: RecordColumns | None = None
         self._scratch = bytearray(0)
+        self._tables_asked: set[int] = set()  # shards whose tables ``read_tables_ahead`` asked for
         self._stale: str | None = None  # why a received copy refuses to read (``__setstate__``)
         if verify == "full":
             for shard in range(len(shards)):
@@ -184,7 +186,8 @@ class PackedDataset(Dataset):
         first = int(self._shard_starts[shard])
         self._records.fill(shard, slice(first, first + len(table)), table)
         if self.readahead:
-            self._files.set_block_bounds(shard, blocks.block_bounds(table["offset"], info, self._block_size))
+            self._files.set_block_bounds(shard, blocks.block_bounds(table["offset"], table["nbytes"], info,
+                                                                         self._block_size))
 
     def _all_records(self) -> RecordColumns:
         """The record columns with every shard's table read."""
@@ -283,13 +286,32 @@ class PackedDataset(Dataset):
         disk reads them while the current batches are decoded. It does nothing with read-ahead off,
         for records scattered over many blocks (random order), or for blocks this process advised
         before, or that are in ``seen`` (the caller's blocks of this pass, when it streams the dataset:
-        ``ShardFiles.advise``); it never waits for the disk.
+        ``ShardFiles.advise``). It waits for the disk only to read the record tables of shards this
+        process has not read yet (``read_tables_ahead`` starts those reads earlier).
         """
         if not self.readahead:
             return
         idx = self._checked_indices(indices)
         records = self._records
         self._files.advise(self._shard_of(idx), records.offsets[idx], records.nbytes[idx], seen)
+
+    def read_tables_ahead(self, indices: Indices) -> None:
+        """Start reading, in the background, the record tables of the shards of records ``indices`` that
+        this process has not read yet, where the manifest says where they lie (format 4; for older
+        datasets nothing happens). Each table is asked for once; nothing waits for the disk.
+
+        Why: ``advise`` needs a shard's table to find its blocks, and a table read only then waits
+        behind every block advised before it; the loader's main process, which advises, then stops
+        handing out batches meanwhile (``reader.batch_stream`` calls this well before ``advise``).
+        """
+        if not self.readahead:
+            return
+        shards = np.unique(self._shard_of(np.asarray(indices, np.int64)))
+        for shard in shards[~self._records.loaded[shards]].tolist():
+            info = self.manifest.shards[shard]
+            if shard not in self._tables_asked and info.table_offset is not None:
+                self._files.advise_bytes(shard, info.table_offset, info.records * RECORD_TABLE_DTYPE.itemsize)
+            self._tables_asked.add(shard)
 
     @property
     def drop_behind(self) -> bool:

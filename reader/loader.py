@@ -271,7 +271,8 @@ def make_loader(
     ``ConcatDataset`` must agree on each such field's type (else ``ValueError``).
 
     With workers and a dataset that reads ahead (``readahead``), the main process advises
-    each batch's blocks ``lookahead_samples(...)`` samples before the workers get it.
+    each batch's blocks ``lookahead_samples(...)`` samples before the workers get it, and asks for the
+    record tables of its shards further ahead still (``reader.batch_stream``).
     """
     if evaluation and (drop_last or not pad):
         raise ValueError("make_loader(evaluation=True) covers every sample exactly once: it needs "
@@ -297,7 +298,8 @@ def make_loader(
     lookahead = lookahead_samples(view, buffer_blocks, in_flight) if advise else 0
     return PackedLoader(
         view,
-        batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead),
+        batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead,
+                                  read_tables=view.read_tables_ahead if advise else None),
         collate_fn=hand_over,
         worker_init_fn=functools.partial(start_worker, batch_nbytes=view.batch_nbytes(batch_size)),
         num_workers=workers,

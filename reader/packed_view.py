@@ -188,11 +188,19 @@ class PackedView(Dataset):
         for the current pass (``reader.shard_io``, "Streaming"); otherwise each part remembers them."""
         if self.streaming and pass_number != self._pass:
             self._pass, self._seen = pass_number, {}
+        for k, records in self._reading_ahead(positions):
+            self.parts[k].advise(records, self._seen.setdefault(k, set()) if self.streaming else None)
+
+    def read_tables_ahead(self, positions: Indices) -> None:
+        """``PackedDataset.read_tables_ahead`` for each part's records among ``positions``."""
+        for k, records in self._reading_ahead(positions):
+            self.parts[k].read_tables_ahead(records)
+
+    def _reading_ahead(self, positions: Indices) -> list[tuple[int, np.ndarray]]:
+        """``(part index, its records)`` among ``positions``, for each part that reads ahead."""
         part_of, records = self.locate(positions)
-        for k in np.unique(part_of).tolist():
-            if getattr(self.parts[k], "readahead", False):
-                seen = self._seen.setdefault(k, set()) if self.streaming else None
-                self.parts[k].advise(records if self._located is None else records[part_of == k], seen)
+        return [(k, records if self._located is None else records[part_of == k])
+                for k in np.unique(part_of).tolist() if getattr(self.parts[k], "readahead", False)]
 
     def enter_worker(self) -> None:
         """In a loader's worker process: a ``streaming`` view's parts drop the pages they read

@@ -147,7 +147,8 @@ class ShardFiles:
 
     ``block_layout[s]`` (optional: block read-ahead) is ``(blocks, file bytes)`` of shard file ``s``, and
     ``set_block_bounds(s, bounds)`` gives, once its record table is read, where those blocks start: the
-    byte offsets, then the file's end (fewer offsets than blocks leave empty blocks at its end). Until
+    byte offsets, then where the last block ends (``reader.blocks.block_bounds``: the end of the
+    records; fewer offsets than blocks leave empty blocks at that end). Until
     then nothing of shard ``s`` is read ahead. Without a layout, only the requested records are read.
     Blocks are numbered over all shards in order (shard 0's blocks, then shard 1's, ...), so that a
     batch's blocks in every shard are found with a few array operations instead of a loop over shards.
@@ -177,6 +178,7 @@ class ShardFiles:
             spread = within * sizes[shard_of] // np.maximum(counts[shard_of], 1)
             self._block_starts = np.concatenate([self._shard_origin[shard_of] + spread, self._shard_origin[-1:]])
         self._bounds_known = np.zeros(len(self.paths), bool)
+        self._blocks_end = [identity.size for identity in identities]  # per shard: where its last block ends
         self._pid: int | None = None
         self._open: OrderedDict[int, _OpenShard] = OrderedDict()  # least recently used first
         self._map_shards = GUARDED and len(paths) <= MAX_OPEN_SHARDS and \
@@ -195,6 +197,7 @@ class ShardFiles:
         starts = np.asarray(bounds[:-1], np.int64)[:last - first]
         filled = np.concatenate([starts, np.full(last - first - len(starts), int(bounds[-1]), np.int64)])
         self._block_starts[first:last] = self._shard_origin[shard] + filled
+        self._blocks_end[shard] = int(bounds[-1])
         self._bounds_known[shard] = True
 
     def __del__(self) -> None:
@@ -347,6 +350,14 @@ class ShardFiles:
             self._advise_blocks(shard, self._shard(shard).fd, [block for s, block in fresh if s == shard],
                                 clear=seen is not None)
 
+    def advise_bytes(self, shard: int, offset: int, nbytes: int) -> None:
+        """Start reading, in the background, ``nbytes`` bytes at ``offset`` of shard ``shard`` (a record
+        table: ``PackedDataset.read_tables_ahead``); a file system that refuses the advice is left alone."""
+        try:
+            os.posix_fadvise(self._shard(shard).fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return
+
     def _read_ahead(self, shard: int, fd: int, pending: list[_Run]) -> None:
         """Ask the kernel to read every block that ``pending`` runs touch, unless they are scattered."""
         starts = np.fromiter((run.start + run.done for run in pending), np.int64, len(pending))
@@ -383,7 +394,10 @@ class ShardFiles:
         with _advice_lock(fd):
             try:
                 for block in blocks:
-                    start, end = int(self._block_starts[block]) - origin, int(self._block_starts[block + 1]) - origin
+                    start = int(self._block_starts[block]) - origin
+                    end = min(int(self._block_starts[block + 1]) - origin, self._blocks_end[shard])
+                    if end <= start:  # an empty block (and a length of 0 would mean "to the file's end")
+                        continue
                     if clear:
                         os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
                     for offset in range(start, end, piece):

@@ -14,6 +14,7 @@ import torch
 from reader_helpers import make_images, pack_images
 
 import packer
+import reader.shard_io
 from reader import PackedDataset
 from reader.format import FormatError, container
 from reader.format.manifest import manifest_checksum
@@ -62,12 +63,13 @@ def test_a_table_is_one_read(packed: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert reads == [(shard.records * 32, shard.table_offset)]
 
 
-def test_version_3_datasets_look_their_tables_up_in_the_container(packed: Path, tmp_path: Path) -> None:
-    def as_version_3(data: dict) -> None:
-        data["format_version"] = 3
-        for shard in data["shards"]:
-            del shard["table_offset"]
+def as_version_3(data: dict) -> None:
+    data["format_version"] = 3
+    for shard in data["shards"]:
+        del shard["table_offset"]
 
+
+def test_version_3_datasets_look_their_tables_up_in_the_container(packed: Path, tmp_path: Path) -> None:
     old = copy_with_manifest(packed, tmp_path / "v3", as_version_3)
     ds, new = PackedDataset(old), PackedDataset(packed)
     assert ds.manifest.format_version == 3 and {s.table_offset for s in ds.manifest.shards} == {None}
@@ -131,3 +133,26 @@ def test_lying_rows_at_the_table_offset_are_refused_naming_the_record(packed: Pa
         f.write((99).to_bytes(8, "little"))
     with pytest.raises(FormatError, match=rf"^{bad / shard.file}: record 1\b.*label is not a class index"):
         PackedDataset(bad).targets
+
+
+def test_tables_are_read_ahead_at_their_offsets_once(packed: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``read_tables_ahead`` asks the kernel for each unread table's rows (where the manifest says), once,
+    and never for a table already read; datasets of format 3 and datasets without read-ahead ask for
+    nothing. The tables are then read as ever."""
+    advice: list[tuple[int, int, int, int]] = []
+    monkeypatch.setattr(reader.shard_io.os, "posix_fadvise",
+                        lambda fd, offset, length, kind: advice.append((fd, offset, length, kind)))
+    ds = PackedDataset(packed)
+    ds._load_table(0)
+    ds.read_tables_ahead([0, 1, 16, 17, 36])  # shards 0 (read), 1 and 2
+    ds.read_tables_ahead(np.array([20, 30]))  # asked for already
+    shard_of_fd = {entry.fd: shard for shard, entry in ds._files._open.items()}
+    shards = ds.manifest.shards
+    assert [(shard_of_fd[fd], offset, length, kind) for fd, offset, length, kind in advice] == \
+        [(s, shards[s].table_offset, shards[s].records * 32, os.POSIX_FADV_WILLNEED) for s in (1, 2)]
+    assert ds.targets.tolist() == PackedDataset(packed, readahead=False).targets.tolist()
+    old = copy_with_manifest(packed, tmp_path / "v3", as_version_3)
+    PackedDataset(old).read_tables_ahead(np.arange(COUNT))
+    PackedDataset(packed, readahead=False).read_tables_ahead(np.arange(COUNT))
+    assert len(advice) == 2

@@ -10,7 +10,7 @@ import pytest
 from reader_helpers import SMALL_RAW_COUNT as COUNT
 
 from reader import PackedDataset, make_loader
-from reader.batch_stream import BatchStream
+from reader.batch_stream import TABLE_LEAD, BatchStream
 from reader.loader import LOOKAHEAD_WINDOWS, lookahead_samples
 from reader.sampler import ShardSampler
 
@@ -67,6 +67,26 @@ def test_each_batch_is_advised_one_lookahead_before_it_is_yielded(raw_path):
         assert step == max(0, k - ahead)
 
 
+def test_each_batch_s_tables_are_asked_for_a_table_lead_before_its_advice(raw_path):
+    """``read_tables`` sees the batches in order, ``TABLE_LEAD`` lookaheads before ``advise``; the
+    batches and the advice to the last one are as without it."""
+    ahead = 3
+    events: list[tuple[str, list[int]]] = []
+    sampler = ShardSampler(PackedDataset(raw_path), seed=3, buffer_blocks=2)
+    stream = BatchStream(sampler, BATCH, False, advise=lambda b, _: events.append(("advise", b.tolist())),
+                         read_tables=lambda b: events.append(("tables", b.tolist())), lookahead=ahead * BATCH)
+    per_pass = -(-len(sampler) // BATCH)
+    batches = list(islice(stream.endless(), 2 * per_pass))
+    assert batches == plain_batches(sampler, 2 * per_pass)
+    tables = [b for kind, b in events if kind == "tables"]
+    advised = [b for kind, b in events if kind == "advise"]
+    assert tables[:len(batches)] == advised[:len(batches)] == batches
+    for k, (kind, batch) in enumerate(events):
+        if kind == "advise":
+            asked = sum(1 for kind, _ in events[:k] if kind == "tables")
+            assert asked == advised.index(batch) + 1 + TABLE_LEAD * ahead
+
+
 def test_advice_names_each_batch_s_pass(raw_path):
     """A streamed view remembers its advice for one pass of the order: each batch comes with the
     number of its pass, counting from 0 at the first pass of ``endless()``."""
@@ -97,6 +117,7 @@ def test_make_loader_advises_with_workers_and_read_ahead_only(raw_path):
     loader = make_loader(ds, BATCH, num_workers=2, buffer_blocks=2, multiprocessing_context="fork")
     stream = loader.batch_sampler
     assert stream.advise == loader.dataset.advise and loader.source is ds
+    assert stream.read_tables == loader.dataset.read_tables_ahead
     expected = lookahead_samples(ds, 2)
     blocks = loader.view.block_groups().block_count
     assert expected == round(LOOKAHEAD_WINDOWS * 2 * COUNT / blocks)

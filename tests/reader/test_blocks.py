@@ -30,4 +30,6 @@ def test_blocks_never_cross_shards_and_bounds_follow_offsets() -> None:
     shards = [shard(10, 10 * MIB), shard(5, 5 * MIB)]
     assert block_starts(shards, 4 * MIB).tolist() == [0, 4, 8, 10, 14]
     offsets = np.arange(10, dtype=np.int64) * MIB + 100
-    assert block_bounds(offsets, shards[0], 4 * MIB).tolist() == [0, 4 * MIB + 100, 8 * MIB + 100, 10 * MIB]
+    nbytes = np.full(10, MIB - 4096, np.int64)  # the last record ends 4096 - 100 bytes before the file
+    assert block_bounds(offsets, nbytes, shards[0], 4 * MIB).tolist() == \
+        [0, 4 * MIB + 100, 8 * MIB + 100, 10 * MIB + 100 - 4096]

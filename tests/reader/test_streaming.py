@@ -153,6 +153,22 @@ def test_streamed_advice_clears_each_block_then_reads_it_once_a_pass(packed, mon
     assert sum(offset == int(bounds[1]) for offset, _ in disk.of(os.POSIX_FADV_WILLNEED)) == 3
 
 
+def test_a_streamed_pass_neither_reads_ahead_nor_clears_the_record_table(packed, monkeypatch):
+    """The last block ends with the last record: the table and the container's pages after it are
+    never advised, so clearing a block never drops the table that the workers are about to read."""
+    ds = blocks_of(packed.path, 5)
+    ds.targets
+    info = ds.manifest.shards[0]
+    table = range(info.table_offset, info.table_offset + 32 * info.records)
+    records_end = int((ds._offsets + ds._nbytes).max())
+    assert records_end <= table.start < shard_file(ds).stat().st_size
+    disk = FadviseLog(monkeypatch)
+    ds.advise(np.arange(COUNT), seen=set())
+    assert disk.calls and all(offset + length <= records_end and length > 0 for _, offset, length in disk.calls)
+    advised = {b for offset, length in disk.of(os.POSIX_FADV_WILLNEED) for b in range(offset, offset + length)}
+    assert all(set(range(int(o), int(o + n))) <= advised for o, n in zip(ds._offsets, ds._nbytes))
+
+
 def cached_as_yielded(ds: PackedDataset) -> tuple[bool, list[int], list[bool]]:
     """A fork loader's first epoch over ``ds`` cached page by page (batches of 2, one in flight per
     worker): whether it streamed, the indices it yielded, and for each batch whether the cache held any
