@@ -69,6 +69,12 @@ def packed(tmp_path_factory):
                        storage="lmdb", encoding="raw", records_per_shard=COUNT + 1)
 
 
+@pytest.fixture(autouse=True)
+def drop_records_of_any_size(monkeypatch):
+    """These records are 20 KB, under the size a streaming read drops (tested on its own below)."""
+    monkeypatch.setattr(reader.shard_io, "DROP_MIN_RECORD_BYTES", 0)
+
+
 def shard_file(ds: PackedDataset) -> Path:
     return ds.path / ds.manifest.shards[0].file
 
@@ -89,6 +95,20 @@ def test_drop_behind_drops_the_pages_of_the_records_read(packed):
     kept = {page for i in set(range(COUNT)) - set(read)
             for page in inner_pages(int(ds._offsets[i]), int(ds._nbytes[i]))}
     assert resident[sorted(kept)].all()  # no record that was not read lost a page
+
+
+def test_records_under_the_drop_size_keep_their_pages(packed, monkeypatch):
+    ds = PackedDataset(packed.path)
+    path = shard_file(ds)
+    cache(path)
+    ds.drop_behind = True
+    size = int(ds.manifest.shards[0].bytes // COUNT)
+    monkeypatch.setattr(reader.shard_io, "DROP_MIN_RECORD_BYTES", 2 * size)
+    ds.read_batch([3, 17, 4, 40])
+    assert resident_pages(path).all()
+    monkeypatch.setattr(reader.shard_io, "DROP_MIN_RECORD_BYTES", size // 2)
+    ds.read_batch([3, 17, 4, 40])
+    assert not resident_pages(path)[sorted(inner_pages(int(ds._offsets[17]), int(ds._nbytes[17])))].any()
 
 
 class FadviseLog:
