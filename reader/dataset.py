@@ -40,7 +40,6 @@ from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode_threads import DecodeThreads
 from reader.format import MANIFEST_NAME, FormatError, Manifest, encoding, load_manifest, load_shard_table
 from reader.format.fields import SOURCE
-from reader.format.records import RECORD_TABLE_DTYPE
 from reader.format.shard_files import check_shard_file
 from reader.record_columns import RecordColumns
 from reader.record_fields import RecordFields
@@ -310,7 +309,7 @@ class PackedDataset(Dataset):
         for shard in shards[~self._records.loaded[shards]].tolist():
             info = self.manifest.shards[shard]
             if shard not in self._tables_asked and info.table_offset is not None:
-                self._files.advise_bytes(shard, info.table_offset, info.records * RECORD_TABLE_DTYPE.itemsize)
+                self._files.advise_bytes(shard, info.table_offset, info.table_nbytes)
             self._tables_asked.add(shard)
 
     @property

@@ -97,7 +97,7 @@ def _check_files(
                     report.problems.append(f"{shard.file}: checksum mismatch (the file is corrupt or changed)")
                 table = container(manifest.storage).read_table(opened, path, shard.records)
                 if shard.table_offset is not None and \
-                        table_at_offset(fd, shard.table_offset, shard.records, st.st_size, path).tobytes() \
+                        table_at_offset(fd, shard, st.st_size, path).tobytes() \
                         != table.tobytes():
                     report.problems.append(f"{shard.file}: the record table at the manifest's table_offset "
                                            f"({shard.table_offset}) is not the one the container holds (the "

@@ -15,6 +15,7 @@ from reader.format.durable import write_file_atomically
 from reader.format.errors import FormatError
 from reader.format.fields import FieldSpec
 from reader.format.manifest_schema import check_manifest_data
+from reader.format.records import RECORD_TABLE_DTYPE
 
 FORMAT_NAME = "packed-images"
 FORMAT_VERSION = 4
@@ -46,6 +47,11 @@ class ShardInfo:
     bytes: int
     checksum: str
     table_offset: int | None = None
+
+    @property
+    def table_nbytes(self) -> int:
+        """The bytes of the record table's rows (those at ``table_offset``)."""
+        return self.records * RECORD_TABLE_DTYPE.itemsize
 
 
 @dataclass

@@ -47,7 +47,7 @@ def load_shard_table(
         if shard.table_offset is None:
             table = registry.container(storage).read_table(fd_path(fd), path, shard.records)
         else:
-            table = table_at_offset(fd, shard.table_offset, shard.records, identity.size, path)
+            table = table_at_offset(fd, shard, identity.size, path)
     problems = table_problems(table, num_classes, registry.encoding(encoding), shape, identity.size)
     if problems:
         what, rows = min(problems, key=lambda problem: problem[1][0])
@@ -56,11 +56,11 @@ def load_shard_table(
     return table
 
 
-def table_at_offset(fd: int, offset: int, records: int, file_size: int, shown: Path) -> np.ndarray:
-    """The ``records`` rows of the record table at ``offset`` (the manifest's ``table_offset``) of the
-    open shard ``fd``, which must lie inside its ``file_size`` bytes (else ``FormatError`` naming
-    ``shown``)."""
-    nbytes = records * RECORD_TABLE_DTYPE.itemsize
+def table_at_offset(fd: int, shard: ShardInfo, file_size: int, shown: Path) -> np.ndarray:
+    """The record table's rows at ``shard.table_offset`` of the open shard file ``fd``, which must lie
+    inside its ``file_size`` bytes (else ``FormatError`` naming ``shown``)."""
+    offset, nbytes = shard.table_offset, shard.table_nbytes
+    assert offset is not None
     if offset + nbytes > file_size:
         raise FormatError(f"{shown}: the manifest puts the record table's {nbytes} bytes at offset "
                           f"{offset}, past the end of the file ({file_size} bytes)")
