@@ -23,6 +23,7 @@ Tested with torch 2.13 (``setup.cfg`` pins that range).
 from __future__ import annotations
 
 import functools
+import gc
 from dataclasses import dataclass
 from typing import Any, Callable, cast
 
@@ -106,6 +107,16 @@ class HookedDataLoader(DataLoader):
         return self._iterator if hooks.cross_epoch_iterator else None
 
     def _get_iterator(self) -> Any:
+        """The DataLoader's iterator, which starts the workers: the receiving one where torch has it.
+
+        The parent's garbage is collected first. A forked worker inherits the parent's heap, garbage
+        cycles included, and a worker's collector that frees a CUDA tensor of such a cycle calls into
+        CUDA in the child, which aborts the worker ("CUDA error: initialization error" from the caching
+        allocator's ``insert_events``: seen on an H200 with ``CUDAPrefetcher``'s ``record_stream``-ed
+        batches). Collected here the garbage is gone before the fork, and the worker freezes what it
+        inherits (``reader.loader.start_worker``)."""
+        if self.num_workers > 0:
+            gc.collect()
         receiver, receiving = self.batch_receiver(), receiving_iterator_class()
         if self.num_workers == 0 or receiver is None or receiving is None:
             return super()._get_iterator()

@@ -15,7 +15,8 @@ of its centre) widened by ``MARGIN`` pixels, because libjpeg-turbo's smooth chro
 the rectangle's own edge as an image edge: its outermost column can differ from a whole decode, and is
 never read. The pixels outside the rectangle are left unwritten and are never read either:
 ``tests/packer/test_jpeg_region.py`` decodes into buffers filled with 0 and with 255 and gets the same
-records as a whole decode, for every subsampling, progressive files, greyscale and reduced scales.
+records as a whole decode, for 4:4:4, 4:2:2 and 4:2:0, progressive files, greyscale and reduced scales;
+4:4:0 and 4:1:1 files are decoded whole (``available``).
 
 Where the extension was not built (no compiler or no libjpeg-turbo headers), or its first decode does
 not give the pixels simplejpeg gives for the same file (another libjpeg version), ``available()`` is
@@ -30,7 +31,9 @@ import numpy as np
 import simplejpeg
 
 MARGIN = 4  # pixels beyond the resize's support: more than the 1-2 edge columns upsampling may change
-_checked: bool | None = None
+REGION_SUBSAMPLINGS = ("444", "422", "420", "Gray")  # decoded by region where they agree (``available``)
+_checked: bool | None = None  # built, and agrees on 4:2:0 (False: callers decode whole files)
+_agreeing: dict[str, bool] = {}  # each subsampling asked about, once ``_checked``
 
 
 def _extension() -> Any:
@@ -41,12 +44,21 @@ def _extension() -> Any:
     return _jpeg_region
 
 
-def available() -> bool:
-    """Whether the region decoder is built and gives simplejpeg's pixels (checked once a process)."""
+def available(subsampling: str = "420") -> bool:
+    """Whether the region decoder is built and gives simplejpeg's pixels for JPEGs of this chroma
+    ``subsampling`` (as ``simplejpeg.decode_jpeg_header`` names it), checked once a process and once
+    per subsampling. Only ``REGION_SUBSAMPLINGS``: on the lent GPU machine's system libjpeg-turbo the
+    region decode of a 4:4:0 photo differed from simplejpeg's whole decode although a small test image
+    agreed (cause not established), so 4:4:0 and 4:1:1 files, rare (PIL writes neither), are decoded
+    whole everywhere, and the packer's records never depend on the machine's libjpeg."""
     global _checked
     if _checked is None:
-        _checked = _extension() is not None and _agrees_with_simplejpeg()
-    return _checked
+        _checked = _extension() is not None and _agrees_with_simplejpeg("420")
+    if not _checked or subsampling not in REGION_SUBSAMPLINGS:
+        return False
+    if subsampling not in _agreeing:
+        _agreeing[subsampling] = _agrees_with_simplejpeg(subsampling)
+    return _agreeing[subsampling]
 
 
 def source_box(
@@ -78,15 +90,23 @@ def decode(
     return out
 
 
-def _agrees_with_simplejpeg() -> bool:
-    """Decode a small 4:2:0 test image, cut to a box at odd offsets, both ways: same pixels?"""
+def _agrees_with_simplejpeg(subsampling: str) -> bool:
+    """Decode a small test image of this chroma ``subsampling``, cut to a box at odd offsets, both
+    ways: same pixels?"""
     y, x = np.mgrid[0:48, 0:80]
     pattern = np.stack([(x * 7 + y * 3) % 256, (x * y) % 256, (x * 11 - y * 5) % 256], axis=-1).astype(np.uint8)
-    data = simplejpeg.encode_jpeg(pattern, quality=90, colorspace="RGB", colorsubsampling="420")
-    whole = simplejpeg.decode_jpeg(data, colorspace="RGBX")
+    gray = subsampling == "Gray"
+    if gray:
+        data = simplejpeg.encode_jpeg(np.ascontiguousarray(pattern[:, :, :1]), quality=90, colorspace="GRAY")
+    else:
+        data = simplejpeg.encode_jpeg(pattern, quality=90, colorspace="RGB", colorsubsampling=subsampling)
+    whole = simplejpeg.decode_jpeg(data, colorspace="GRAY" if gray else "RGBX")
     left, top, right, bottom = 21, 9, 59, 37
+    part = np.empty((48, 80) if gray else (48, 80, 4), np.uint8)
     try:
-        part = decode(data, False, 1, (80, 48), (left - MARGIN, top - MARGIN, right + MARGIN, bottom + MARGIN))
+        _extension().decode(data, gray, 1, left - MARGIN, top - MARGIN, right + MARGIN, bottom + MARGIN, part)
     except ValueError:
         return False
+    if gray:
+        whole = whole.reshape(part.shape)
     return bool(np.array_equal(part[top:bottom, left:right], whole[top:bottom, left:right]))

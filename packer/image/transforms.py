@@ -385,7 +385,7 @@ def _turbo_decode(
     ``kept`` needs where it is smaller than the image and the region decoder is available, else whole;
     None when libjpeg-turbo reports a problem."""
     try:
-        if kept is not None and jpeg_region.available():
+        if kept is not None and jpeg_region.available(simplejpeg.decode_jpeg_header(data)[3]):
             box = jpeg_region.source_box(size, *kept)
             if box != (0, 0, *size):
                 return jpeg_region.decode(data, gray, scale, size, box)

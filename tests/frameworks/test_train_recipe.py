@@ -4,9 +4,12 @@ checkpoint; every epoch trains every sample once in all and evaluation counts ea
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
-from ddp_helpers import run_job, torchrun
+import torch
+from ddp_helpers import run_job, subprocess_env, torchrun
 from reader_helpers import make_images, write_dataset
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_classification.py"
@@ -19,7 +22,7 @@ def test_recipe_stops_mid_epoch_and_resumes(tmp_path):
                                     [i % 3 for i in range(count)], storage="lmdb", encoding="raw", records_per_shard=8)
                 for name, count, seed in (("train", TRAIN, 0), ("val", VAL, 1))}
     common = ["--train", str(datasets["train"]), "--val", str(datasets["val"]), "--output-dir", str(tmp_path / "out"),
-              "--epochs", "2", "-b", "4", "-j", "1", "--width", "4", "--print-freq", "100"]
+              "--epochs", "2", "-b", "4", "-j", "1", "--width", "4", "--print-freq", "100", "--device", "cpu"]
 
     stopped = run_job(torchrun(str(SCRIPT), *common, "--max-steps", "3"), timeout_s=JOB_TIMEOUT_S)
     assert stopped.returncode == 0, stopped.stdout
@@ -32,3 +35,15 @@ def test_recipe_stops_mid_epoch_and_resumes(tmp_path):
     trained = re.findall(r"Epoch: \[(\d)\] trained (\d+) samples in this run, batches (\d+)\.\.", resumed.stdout)
     assert trained == [("0", "16", "3"), ("1", "40", "0")], resumed.stdout
     assert resumed.stdout.count(f"Test: evaluated {VAL} samples") == 2, resumed.stdout
+
+
+def test_cuda_with_fewer_gpus_than_processes_is_one_line(tmp_path):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    env = {**subprocess_env(), "LOCAL_WORLD_SIZE": str(gpus + 1), "LOCAL_RANK": "0"}
+    run = subprocess.run([sys.executable, str(SCRIPT), "--train", str(tmp_path), "--val", str(tmp_path),
+                          "--output-dir", str(tmp_path / "out"), "--device", "cuda"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [
+        f"--device cuda: {gpus + 1} process(es) on this node but torch sees {gpus} GPU(s); run one process per GPU "
+        f"(torchrun --nproc_per_node={gpus}) or pass --device cpu"]

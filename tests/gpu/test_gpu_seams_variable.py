@@ -48,7 +48,7 @@ def resize_then_center_crop(image: torch.Tensor, shorter: int, crop: int) -> tor
 
 def test_evaluation_center_crop_pixels(uncropped: PackedDataset) -> None:
     loader = make_loader(uncropped, batch_size=3, num_workers=0, order="sequential")
-    prefetcher = CUDAPrefetcher(loader, MEAN, STD, center_crop=12, resize=14, antialias=True)
+    prefetcher = CUDAPrefetcher(loader, MEAN, STD, device="cpu", center_crop=12, resize=14, antialias=True)
     batches = list(prefetcher)
     assert [tuple(images.shape) for images, _ in batches] == [(3, 3, 12, 12), (3, 3, 12, 12), (2, 3, 12, 12)]
     images = torch.cat([images for images, _ in batches]).double()
@@ -97,7 +97,7 @@ class ExtrasLoader:
 def test_extras_pass_through_unchanged(uncropped: PackedDataset, raw_path: Path, fixed_size: bool) -> None:
     dataset = PackedDataset(raw_path) if fixed_size else uncropped
     options = {} if fixed_size else {"random_resized_crop": 8}
-    batches = list(CUDAPrefetcher(ExtrasLoader(dataset, 4), MEAN, STD, **options))
+    batches = list(CUDAPrefetcher(ExtrasLoader(dataset, 4), MEAN, STD, device="cpu", **options))
     assert all(len(batch) == 4 for batch in batches)
     indices = torch.cat([batch[2] for batch in batches])
     mask = torch.cat([batch[3] for batch in batches])

@@ -1,6 +1,8 @@
 """make_loader: batches equal the dataset's records, under fork and spawn workers, resumable."""
 from __future__ import annotations
 
+import gc
+import os
 from pathlib import Path
 
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 import torch
 from reader_helpers import make_images, pack_images
 
+import reader.loader
 from reader import PackedDataset, batch_memory, make_loader
 from reader.loader import PackedLoader
 
@@ -140,7 +143,7 @@ def test_jpeg_loader_yields_batches(jpeg_path):
 def test_worker_batches_reuse_shared_slots(raw_path):
     """Batches come back in a few recycled shared-memory slots, even when epochs are cut short."""
     ds = PackedDataset(raw_path)
-    loader = make_loader(ds, 4, num_workers=2, order="random", multiprocessing_context="fork")
+    loader = make_loader(ds, 4, num_workers=2, order="random", multiprocessing_context="fork", pin_memory=False)
     for epoch in range(6):
         loader.set_epoch(epoch)
         if epoch % 2:
@@ -273,3 +276,37 @@ def test_workers_make_their_first_slot_before_their_first_batch(raw_path, jpeg_p
     (slot,) = pool.slots
     assert slot.capacity == 1000 + 1000 // batch_memory._HEADROOM
     assert pool.take(1000).data_ptr() == slot.tensor.data_ptr() and len(pool.slots) == 1
+
+
+class Sentinel:
+    """Garbage in a reference cycle that writes, when freed, which process freed it."""
+
+    def __init__(self, record: Path) -> None:
+        self.record, self.cycle = record, self
+
+    def __del__(self) -> None:
+        with open(self.record, "a") as out:
+            out.write(f"{os.getpid()}\n")
+
+
+def test_forked_workers_do_not_inherit_the_parents_garbage(raw_path: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked worker that collected garbage inherited from the parent would free, in the child, the
+    CUDA tensors of such garbage, which aborts it ("CUDA error: initialization error", seen on an H200):
+    the loader collects the parent's garbage before it starts its workers."""
+    record = tmp_path / "freed"
+    start_worker = reader.loader.start_worker
+
+    def collecting_start(worker_id: int, **options: object) -> None:
+        gc.collect()  # what a worker's collector would do at some allocation
+        start_worker(worker_id, **options)
+
+    monkeypatch.setattr(reader.loader, "start_worker", collecting_start)
+    loader = make_loader(PackedDataset(raw_path), 8, num_workers=2, multiprocessing_context="fork", pin_memory=False)
+    gc.disable()  # so that only an explicit collection frees the sentinel
+    try:
+        Sentinel(record)
+        assert sum(len(labels) for _, labels in loader) == len(loader.dataset)
+    finally:
+        gc.enable()
+    assert record.read_text().split() == [str(os.getpid())]

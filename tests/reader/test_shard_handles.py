@@ -124,20 +124,21 @@ def test_mapped_shard_pages_in_rss_stay_under_the_budget(tmp_path: Path, monkeyp
         for start in range(0, 64, 8):
             batch, _ = ds.read_batch(list(range(start, start + 8)))
             np.testing.assert_array_equal(batch[0].numpy(), packed.images[start].transpose(2, 0, 1))
-            assert _shard_rss() <= reader.shard_io.MAX_MAPPED_BYTES
-    assert (_shard_rss() > 0) == fits
+            assert _shard_rss(packed.path) <= reader.shard_io.MAX_MAPPED_BYTES
+    assert (_shard_rss(packed.path) > 0) == fits
     ds.close()
-    assert _shard_rss() == 0
+    assert _shard_rss(packed.path) == 0
 
 
-def _shard_rss() -> int:
-    """Bytes of shard-file mappings resident in this process (``/proc/self/smaps``)."""
+def _shard_rss(folder: Path) -> int:
+    """Bytes of the mappings of ``folder``'s shard files resident in this process (``/proc/self/smaps``);
+    other tests' datasets, still mapped in the same process (pytest-xdist), are not counted."""
     total, in_shard = 0, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             fields = line.split()
             if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-                in_shard = fields[-1].endswith(".lmdb")
+                in_shard = fields[-1].endswith(".lmdb") and fields[-1].startswith(f"{folder}/")
             elif in_shard and fields[0] == "Rss:":
                 total += int(fields[1]) << 10
     return total
