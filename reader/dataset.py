@@ -59,6 +59,11 @@ class PackedDataset(Dataset):
     faster, within about 2 grey levels of an accurate decode (see ``reader.format.jpeg_decode``). ``max_gap`` is the
     largest hole in the file (bytes) that a single read spans to join two requested records.
 
+    ``decode=False`` (JPEG datasets only) serves each record as its encoded JPEG bytes, a 1-D uint8
+    tensor, instead of its pixels: for ``CUDAPrefetcher``, which decodes such batches on the GPU with
+    nvJPEG (``reader.gpu.jpeg_batches``), so that the loader's workers only read. Batches of encoded
+    records are lists, one tensor per record, whatever the manifest's shape.
+
     ``decode_threads`` (JPEG datasets only) decodes each batch on that many threads of the reading
     process (``reader.decode_threads``), with TurboJPEG, which releases the GIL (``reader.format.jpeg_decode``).
     The default, 1, decodes on the calling thread with simplejpeg: on a machine where the DataLoader's
@@ -90,6 +95,7 @@ class PackedDataset(Dataset):
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         readahead: bool = True,
         decode_threads: int = 1,
+        decode: bool = True,
         verify: str = "tables",
     ) -> None:
         block_bytes = whole_number("block_bytes", block_bytes, 1)
@@ -104,6 +110,10 @@ class PackedDataset(Dataset):
         self.manifest: Manifest = load_manifest(self.path)
         self.fast_decode = fast_decode
         self._encoding = encoding(self.manifest.encoding)
+        self.decode = true_or_false("decode", decode)
+        if not decode and self._encoding.stores_pixels:
+            raise ValueError(f"{self.path}: decode=False serves encoded JPEG records, and this dataset's records "
+                             f"are {self.manifest.encoding} pixels, which need no decoding: leave decode=True")
         self.record_fields = RecordFields(self.path, self.manifest)
         self.decode_threads = DecodeThreads(decode_threads)
         shards = self.manifest.shards
@@ -132,7 +142,8 @@ class PackedDataset(Dataset):
         payload over the pipe's 64 KiB made the parent hang."""
         state = {key: value for key, value in self.__dict__.items() if key not in self._opened}
         options = {"fast_decode": self.fast_decode, "max_gap": self._files.max_gap, "block_bytes": self.block_bytes,
-                   "readahead": self.readahead, "decode_threads": self.decode_threads.threads}
+                   "readahead": self.readahead, "decode_threads": self.decode_threads.threads,
+                   "decode": self.decode}
         state[_REOPEN] = {"path": self.path, "options": options, "fingerprint": self._fingerprint()}
         return state
 
@@ -266,7 +277,8 @@ class PackedDataset(Dataset):
 
         When the records' sizes vary (manifest ``shape`` is null) the images are a list of
         ``[3, H, W]`` tensors instead. JPEG batches are decoded channels-last: the tensor has shape
-        ``[B, 3, H, W]`` with ``channels_last`` strides, which models and ``.to()`` accept as is. The
+        ``[B, 3, H, W]`` with ``channels_last`` strides, which models and ``.to()`` accept as is; with
+        ``decode=False`` they are a list of 1-D uint8 tensors, each record's JPEG bytes. The
         batch lives in a reused buffer (``reader.batch_memory``): this is ``make_loader``'s hot path
         (it passes the batch through an identity collate), not a list of samples.
         """
@@ -276,6 +288,8 @@ class PackedDataset(Dataset):
     def _read(self, idx: np.ndarray, allocate: Allocator) -> Images:
         if self._encoding.stores_pixels:
             return self._read_raw(idx, allocate)
+        if not self.decode:
+            return self._read_encoded(idx, allocate)
         return self._read_decoded(idx, allocate)
 
     def advise(self, indices: Indices, seen: set[int] | None = None) -> None:
@@ -353,6 +367,13 @@ class PackedDataset(Dataset):
         self._read_payloads(idx, _split(flat, nbytes))
         return [part.view(3, h, w) for part, h, w in
                 zip(flat.split(nbytes.tolist()), records.heights[idx].tolist(), records.widths[idx].tolist())]
+
+    def _read_encoded(self, idx: np.ndarray, allocate: Allocator) -> list[torch.Tensor]:
+        """The records' encoded payloads, one 1-D uint8 tensor each, views of one buffer (``decode=False``)."""
+        nbytes = self._records.nbytes[idx]
+        flat = allocate((int(nbytes.sum()),))
+        self._read_payloads(idx, _split(flat, nbytes))
+        return list(flat.split(nbytes.tolist()))
 
     def _read_decoded(self, idx: np.ndarray, allocate: Allocator) -> Images:
         """Read the payloads into the scratch buffer and decode them into the batch, each shard's records

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from reader.arguments import whole_number
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, received_labels
 from reader.batch_stream import BatchStream
+from reader.list_batches import is_encoded, moved_together
 from reader.memory_budget import page_cache_budget
 from reader.packed_view import PackedView, as_view, check_own_reads
 from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
@@ -219,7 +220,14 @@ def _received(releaser: SlotReleaser, data: Batch) -> Batch:
 
 
 def _pinned(images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
-    return [image.pin_memory() for image in images] if isinstance(images, list) else images.pin_memory()
+    """The batch's images in pinned memory: a list of views of one buffer as one pinned copy of it
+    (``reader.list_batches``); encoded records stay where they are, since they are decoded from host
+    memory (nvJPEG reads them itself, the host decoder needs no pinning)."""
+    if not isinstance(images, list):
+        return images.pin_memory()
+    if is_encoded(images):
+        return images
+    return moved_together(images, torch.Tensor.pin_memory)
 
 
 def make_loader(

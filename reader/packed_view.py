@@ -73,7 +73,9 @@ class PackedView(Dataset):
 
     def batch_nbytes(self, batch_size: int) -> int | None:
         """The bytes of a full batch's images when every record has the same shape (manifest
-        ``shape``) in every part; else None."""
+        ``shape``) in every part and is decoded; else None (encoded records vary in size)."""
+        if not all(getattr(part, "decode", True) for part in self.parts):
+            return None
         shapes = {None if part.manifest.shape is None else tuple(part.manifest.shape) for part in self.parts}
         shape = shapes.pop() if len(shapes) == 1 else None
         return None if shape is None else batch_size * math.prod(shape)

@@ -4,8 +4,19 @@ The copy runs on one side stream per prefetcher, created once. Before a batch is
 consumer's current stream waits on the side stream (a GPU-side wait: the host does not block), and
 every tensor made on the side stream is ``record_stream``-ed on the consumer stream so the caching
 allocator never hands its memory back to the side stream while the consumer still reads it (the race
-in apex's prefetcher). Without CUDA the same code runs synchronously on the CPU, so training loops do
-not branch.
+in apex's prefetcher). Without CUDA the same code runs on the CPU, so training loops do not branch.
+
+The preparing thread: batch k+1 is pulled from the loader (receiving it from a worker, and pinning
+it where the loader pins), copied and augmented on a thread of the prefetcher's own while the training
+loop runs step k, so that none of that host work sits in the training thread. The loop waits for the
+thread only when it is behind. The thread and the training loop never use the loader at the same
+time: the loader's state is saved in the training thread between the thread's pulls, and each pass's
+first batch, which the loop waits for anyway, is pulled by the training thread (a loader starting its
+workers forks them from there, not from a second thread).
+
+Encoded JPEG batches (``PackedDataset(decode=False)``: the workers only read) are decoded on that
+thread, on the GPU with nvJPEG where torchvision has it (``reader.gpu.jpeg_batches``), then augmented
+as usual; torchvision's decode blocks its calling thread until the batch is decoded.
 
 Resume: the prefetcher holds one batch in advance, so the loader's own position is one batch ahead of
 what the training loop received. ``state_dict()`` is therefore the loader's state snapshotted just
@@ -18,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Protocol, Sequence
 
 import torch
@@ -25,9 +37,12 @@ import torch
 from reader.arguments import saved_position, whole_number
 from reader.epoch_cursor import EpochCursor
 from reader.gpu.augment import BatchAugment, augment_from, seeded_generator
+from reader.gpu.jpeg_batches import decode_jpegs
+from reader.list_batches import is_encoded, moved_together, shared_buffer
 from reader.ranks import rank_and_world_size
 
 Batch = tuple[torch.Tensor, ...] | dict[str, Any]  # a mapping with make_loader(fields=...)
+Pulled = tuple[Batch | None, float]  # a batch from the loader (None: the pass is over), and when it came
 
 
 class Loader(Protocol):
@@ -107,7 +122,8 @@ class CUDAPrefetcher(EpochCursor):
         self.rank = rank_and_world_size(None)[0] if rank is None else whole_number("rank", rank)
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._position: dict | None = None
-        self.preparing_s = 0.0  # the calling thread's time in _start, which StepTimer keeps apart
+        self._preparing: ThreadPoolExecutor | None = None  # the preparing thread, made at the first pass
+        self.preparing_s = 0.0  # the consumer's waits for preparation (not for the loader), kept apart by StepTimer
 
     def __len__(self) -> int:
         """The loader's batches in a whole epoch (``make_loader``'s: also when resumed mid-epoch, when an
@@ -159,37 +175,44 @@ class CUDAPrefetcher(EpochCursor):
         self._position = {"epoch": epoch, "batches": batches, "seed": self.seed, "loader": self._loader_state()}
 
     def _batches(self, epoch: int, first: int) -> Iterator[Batch]:
-        """Yield batch k, then start k+1 before the consumer resumes. Closing this generator (an
-        early ``break`` does) drops the batch in flight and the loader's iterator; the position stays
-        after the last batch handed over."""
-        source: Iterator[Batch] = iter(self.loader)
-        pending: Batch | None = None
+        """Yield batch k while the preparing thread pulls batch k+1 from the loader and prepares it.
+        Closing this generator (an early ``break`` does) waits for the batch in flight, then drops it
+        and closes the loader's iterator, here; the position stays after the last batch handed over."""
+        source = [iter(self.loader)]  # the thread's tasks reach it through this list, emptied at the end
+        pending: Future | None = None
         ready: Batch | None = None
         number = first
         try:
             self._mark(epoch, number)
-            pending = self._start(next(source, None), epoch, number)
-            while pending is not None:
-                ready = self._synced_for_consumer(pending)
+            # The first pull is the training thread's, which waits for it anyway: a loader that starts
+            # its workers then forks them from this thread, as it would without a prefetcher.
+            pending = self._submit(source, epoch, number, (next(source[0], None), time.perf_counter()))
+            while (ready := self._synced_for_consumer(pending)) is not None:
                 number += 1
-                self._mark(epoch, number)
-                pending = self._start(next(source, None), epoch, number)
+                self._mark(epoch, number)  # here, not in the thread: the loader is idle between pulls
+                pending = self._submit(source, epoch, number)
                 yield ready
             self._mark(epoch + 1, 0)
         finally:
-            pending = ready = None  # drop the batches in flight and the loader's iterator
-            source = iter(())
+            if pending is not None and not pending.cancel():
+                pending.exception()  # wait for the batch in flight: nothing is made after the loop ends
+            pending = ready = None  # drop the batches in flight
+            source.clear()  # and the loader's iterator (no finished task keeps it alive)
 
-    def _start(self, batch: Batch | None, epoch: int, number: int) -> Batch | None:
-        """Enqueue the copy and augmentation of ``batch`` on the side stream (CPU: compute it now);
-        the time this takes in the calling thread is added to ``preparing_s``."""
-        if batch is None:
-            return None
-        started = time.perf_counter()
-        try:
-            return self._prepared(batch, epoch, number)
-        finally:
-            self.preparing_s += time.perf_counter() - started
+    def _submit(self, source: list[Iterator[Batch]], epoch: int, number: int,
+                pulled: Pulled | None = None) -> Future:
+        """Hand the pull of batch ``number`` (unless ``pulled`` already) and its preparation to the
+        preparing thread."""
+        if self._preparing is None:
+            self._preparing = ThreadPoolExecutor(1, thread_name_prefix="CUDAPrefetcher")
+        return self._preparing.submit(self._pulled_and_prepared, source, epoch, number, pulled)
+
+    def _pulled_and_prepared(self, source: list[Iterator[Batch]], epoch: int, number: int,
+                             pulled: Pulled | None) -> Pulled:
+        """(The preparing thread.) The next batch from the loader, prepared (``_prepared``), or None at
+        the end of the pass; and when the loader handed it over."""
+        batch, at = (next(source[0], None), time.perf_counter()) if pulled is None else pulled
+        return (None if batch is None else self._prepared(batch, epoch, number)), at
 
     def _prepared(self, batch: Batch, epoch: int, number: int) -> Batch:
         extras: list[Any] = []
@@ -199,7 +222,7 @@ class CUDAPrefetcher(EpochCursor):
             images, labels, *extras = batch
         context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with context:
-            images = self._to_device(images)
+            images = decode_jpegs(images, self.device) if is_encoded(images) else self._to_device(images)
             labels = self._to_device(labels).to(torch.int64)
             generator = seeded_generator(self.device, self.seed, epoch, self.rank, number)
             images = self.augment(images, generator)
@@ -211,8 +234,11 @@ class CUDAPrefetcher(EpochCursor):
 
     def _to_device(self, tensors: Any) -> Any:
         """An asynchronous copy to the device (from pinned memory: unpinned tensors are pinned first);
-        lists are copied item by item, and what is not a tensor (a field's text) stays as it is."""
+        a list of views of one buffer (a batch of variable-size images) is copied as that buffer, other
+        lists item by item, and what is not a tensor (a field's text) stays as it is."""
         if isinstance(tensors, (list, tuple)):
+            if shared_buffer(tensors) is not None:
+                return moved_together(list(tensors), self._to_device)
             return [self._to_device(tensor) for tensor in tensors]
         if not isinstance(tensors, torch.Tensor):
             return tensors
@@ -220,9 +246,14 @@ class CUDAPrefetcher(EpochCursor):
             tensors = tensors.pin_memory()
         return tensors.to(self.device, non_blocking=True)
 
-    def _synced_for_consumer(self, batch: Batch) -> Batch:
-        """Make the consumer's stream wait for ``batch`` and protect its memory from reuse meanwhile."""
-        if self.stream is not None:
+    def _synced_for_consumer(self, pending: Future) -> Batch | None:
+        """Wait for the preparing thread's batch (None: the pass is over), then make the consumer's
+        stream wait for it and protect its memory from reuse meanwhile. Of the time waited, what the
+        thread spent preparing rather than waiting for the loader is added to ``preparing_s``."""
+        waiting = time.perf_counter()
+        batch, pulled = pending.result()
+        self.preparing_s += max(0.0, time.perf_counter() - max(waiting, pulled))
+        if batch is not None and self.stream is not None:
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_stream(self.stream)
             for tensor in _tensors(batch):

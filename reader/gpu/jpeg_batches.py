@@ -1,0 +1,103 @@
+"""Batches of encoded JPEG records (``PackedDataset(decode=False)``) decoded where they are used.
+
+A batch of encoded records is a list of 1-D uint8 tensors, each one record's JPEG bytes
+(``reader.list_batches.is_encoded``). ``decode_jpegs`` turns such a
+list into images on the consumer's device: on a CUDA device with torchvision's nvJPEG decoder
+(``torchvision.io.decode_jpeg(list, device="cuda")``: one batched call, on the GPU's hardware JPEG
+decoders where it has them, A100/H100/H200), else on the host with libjpeg-turbo
+(``reader.format.jpeg_decode``) and then copied. So the same training loop runs with and without a
+GPU decoder; only the speed differs.
+
+torchvision's GPU decode blocks the calling thread until the batch is decoded (it synchronizes its
+own stream before returning), which is why ``CUDAPrefetcher`` calls it on a thread of its own.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Callable
+
+import numpy as np
+import torch
+
+from reader.format.jpeg_decode import decode_jpeg_into
+
+GpuDecoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
+_gpu_decoder: GpuDecoder | None | bool = False  # False: not looked up yet; None: there is none
+_lookup = threading.Lock()
+
+
+def gpu_decoder() -> GpuDecoder | None:
+    """torchvision's batched nvJPEG decode, or None where torchvision does not import (not
+    installed, or a build that does not match this torch). Looked up once per process."""
+    global _gpu_decoder
+    with _lookup:
+        if _gpu_decoder is False:
+            try:
+                from torchvision.io import ImageReadMode, decode_jpeg
+            except Exception:  # ImportError, or a torchvision built for another torch (RuntimeError, OSError)
+                _gpu_decoder = None
+            else:
+                def decode(payloads: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+                    return decode_jpeg(payloads, mode=ImageReadMode.RGB, device=device)
+                _gpu_decoder = decode
+    return _gpu_decoder  # type: ignore[return-value]
+
+
+def decode_jpegs(payloads: list[torch.Tensor], device: torch.device) -> torch.Tensor | list[torch.Tensor]:
+    """The JPEG ``payloads`` (1-D uint8 CPU tensors) decoded to uint8 RGB images on ``device``: one
+    ``[B, 3, H, W]`` tensor when they all have one size, else a list of ``[3, H_i, W_i]``.
+
+    On CUDA with a GPU decoder the work is queued on the current stream's side of the decoder (the
+    current stream waits for it) and the images are made on the current stream. A payload that is
+    not a JPEG raises ``ValueError`` naming its position in the batch (``packer verify --deep`` names
+    the record).
+    """
+    decoder = gpu_decoder() if device.type == "cuda" else None
+    images = None
+    if decoder is not None:
+        try:
+            images = decoder([payload.contiguous() for payload in payloads], device)
+        except RuntimeError as e:
+            if "nvJPEG" in str(e) and "not compiled" in str(e):  # a torchvision without nvJPEG: decode on the host
+                _no_gpu_decoder(str(e))
+            else:
+                raise ValueError(f"{_first_bad(payloads)}: the GPU decoder failed ({e})") from None
+    if images is None:
+        images = [_host_decode(k, payload).to(device, non_blocking=True) for k, payload in enumerate(payloads)]
+    if len({tuple(image.shape) for image in images}) == 1:
+        return torch.stack(images)
+    return list(images)
+
+
+def _no_gpu_decoder(reason: str) -> None:
+    global _gpu_decoder
+    warnings.warn(f"JPEG batches are decoded on the CPU: {reason.splitlines()[0]}", RuntimeWarning, stacklevel=3)
+    with _lookup:
+        _gpu_decoder = None
+
+
+def _host_decode(position: int, payload: torch.Tensor) -> torch.Tensor:
+    """One payload decoded by libjpeg-turbo to a ``[3, H, W]`` uint8 tensor (pinned when CUDA is there,
+    so that its copy to the device is asynchronous)."""
+    import simplejpeg  # reader.format.jpeg_decode's binding; its header reader gives the size
+
+    data = payload.numpy().tobytes()
+    try:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        out = np.empty((height, width, 3), np.uint8)
+        decode_jpeg_into(memoryview(data), out, fast=True)
+    except ValueError as e:
+        raise ValueError(f"sample {position} of the batch is not a valid JPEG payload ({e})") from None
+    image = torch.from_numpy(out).permute(2, 0, 1)
+    return image.pin_memory() if torch.cuda.is_available() else image
+
+
+def _first_bad(payloads: list[torch.Tensor]) -> str:
+    """Which sample of a batch the host decoder refuses (to name the culprit of a GPU decode error)."""
+    for position, payload in enumerate(payloads):
+        try:
+            _host_decode(position, payload)
+        except ValueError as e:
+            return str(e)
+    return f"a batch of {len(payloads)} JPEG payloads"
