@@ -69,7 +69,8 @@ def cpu_seconds() -> tuple[float, float]:
 
 
 def bench_variant(
-    images: Path, out: Path, encoding: str, storage: str, workers: int, resampler: str | None
+    images: Path, out: Path, encoding: str, storage: str, workers: int, resampler: str | None,
+    partitions: int | None = None,
 ) -> dict[str, float]:
     """Pack once with the variant's options; wall time, output size and CPU split."""
     shutil.rmtree(out, ignore_errors=True)
@@ -77,7 +78,7 @@ def bench_variant(
     start = time.perf_counter()
     manifest = packer.pack(
         images, out, resize=256, crop=224, encoding=encoding, storage=storage, workers=workers,
-        resampler=resampler, progress=False,
+        resampler=resampler, partitions=partitions, progress=False,
     )
     seconds = time.perf_counter() - start
     own1, children1 = cpu_seconds()
@@ -102,6 +103,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--resampler", choices=RESAMPLERS, help="default: packer's choice for this install")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--partitions", type=int, help="override the default partition count (a small JPEG set "
+                        "has few partitions, so few processes pack it at once: packer.run.partitions)")
     args = parser.parse_args()
 
     ensure_images(args.images, args.count)
@@ -119,7 +122,8 @@ def main() -> None:
         rows: dict[int, list[dict[str, float]]] = {w: [] for w in args.workers}
         for _ in range(args.rounds):
             for workers in args.workers:
-                rows[workers].append(bench_variant(args.images, args.out / name, encoding, storage, workers, resampler))
+                rows[workers].append(bench_variant(args.images, args.out / name, encoding, storage, workers, resampler,
+                                                          args.partitions))
         for workers, runs in rows.items():
             rates = sorted(r["images_per_s"] for r in runs)
             row = runs[0]
