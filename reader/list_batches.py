@@ -13,6 +13,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+# How much larger than its views' bytes a shared span may be and still be moved whole: a batch's views
+# fill their buffer (a slot's few spare bytes aside).
+MAX_SPAN_OVERHEAD = 1.25
+
 
 def is_encoded(images: Any) -> bool:
     """Whether ``images`` is a batch of encoded records: a non-empty list of 1-D uint8 tensors."""
@@ -24,7 +28,8 @@ def is_encoded(images: Any) -> bool:
 def shared_buffer(tensors: Sequence[Any]) -> tuple[torch.Tensor, int] | None:
     """The 1-D uint8 span of the one storage that every tensor of ``tensors`` views, and where it
     starts in that storage (elements); None when they are not all non-empty uint8 views of one
-    storage (or there are fewer than two)."""
+    storage, when there are fewer than two, or when the span holds much more than they do
+    (``MAX_SPAN_OVERHEAD``: a few small views of a large buffer are moved one by one, not with it)."""
     if len(tensors) < 2 or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.numel() > 0
                                    for t in tensors):
         return None
@@ -32,9 +37,11 @@ def shared_buffer(tensors: Sequence[Any]) -> tuple[torch.Tensor, int] | None:
     if any(t.untyped_storage().data_ptr() != storage.data_ptr() or t.device != tensors[0].device
            for t in tensors):
         return None
-    start = min(t.storage_offset() for t in tensors)
-    end = max(t.storage_offset() + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-              for t in tensors)
+    extents = [(t.storage_offset(), t.storage_offset() + 1 + sum((size - 1) * stride for size, stride
+                                                                  in zip(t.shape, t.stride()))) for t in tensors]
+    start, end = min(a for a, _ in extents), max(b for _, b in extents)
+    if end > storage.nbytes() or end - start > MAX_SPAN_OVERHEAD * sum(t.numel() for t in tensors):
+        return None
     span = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage, start, (end - start,), (1,))
     return span, start
 

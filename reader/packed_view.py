@@ -42,6 +42,9 @@ class PackedView(Dataset):
         self.source = source
         self._source_name = _name(source)
         parts, part_of, record_of = _resolve(source)
+        if len({getattr(part, "decode", True) for part in parts}) > 1:
+            raise ValueError(f"{self._source_name} mixes datasets opened with decode=False and decode=True: a batch "
+                             "is either encoded JPEG records or pixels; open every part the same way")
         self.parts: list[PackedDataset] = parts
         self._length = len(part_of)
         # per position: [part, record]; None for a whole single part (the identity: nothing per record)

@@ -9,10 +9,11 @@ Data wait is the time spent inside the iterator's ``next()``; compute is the tim
 handed over to the next ``next()``. With ``sync=True`` and CUDA in use, the consumer's current stream
 is synchronized at both boundaries, so GPU work queued by the step counts as compute and a batch still
 being copied when handed over counts as data wait. Only the current stream is synchronized, never the
-whole device: a prefetcher's side stream copying the *next* batch keeps overlapping. Time an iterable
-spends preparing batches in the training thread itself (its ``preparing_s`` counter: a
-``CUDAPrefetcher`` without CUDA normalizes and augments on the CPU there) is kept apart as
-preparation, not charged to the loader: more loader workers would not shorten it. The first
+whole device: a prefetcher's side stream copying the *next* batch keeps overlapping. Time the loop
+waits for an iterable's own preparation of a batch rather than for its loader (its ``preparing_s``
+counter: ``CUDAPrefetcher``'s copy, normalization, augmentation and GPU JPEG decode, on the CPU
+without CUDA) is kept apart as preparation, not charged to the loader: more loader workers would not
+shorten it. The first
 ``warmup_steps`` steps of the timer's life (worker start-up, CUDA and cuDNN initialisation) are
 recorded but left out of the figures.
 """
@@ -45,7 +46,7 @@ class StepTime:
 @dataclass(frozen=True)
 class StepTimerSummary:
     """Figures over the measured (post warm-up) steps; ``wait_share`` is data wait / total time,
-    ``preparing_share`` the iterable's own preparation in the training thread / total time."""
+    ``preparing_share`` the time waited for the iterable's own preparation / total time."""
 
     steps: int
     warmup_steps: int
@@ -81,13 +82,14 @@ class StepTimerSummary:
             ),
         ]
         if self.preparing_s > 0:
-            lines.insert(2, f"batch preparation in the training thread (the prefetcher's copy, normalization and "
-                            f"augmentation) {self.preparing_s:.2f} s ({self.preparing_share:.1%})")
+            lines.insert(2, f"waiting for batch preparation (the prefetcher's copy, normalization, augmentation "
+                            f"and decoding) {self.preparing_s:.2f} s ({self.preparing_share:.1%})")
         if self.preparing_share > self.hint_threshold:
             lines.append(
-                f"hint: preparing batches in the training thread takes {self.preparing_share:.0%} of the time: "
-                "without CUDA, CUDAPrefetcher normalizes and augments on the CPU there, which loader workers "
-                "cannot speed up; train on a GPU, or augment less on the CPU."
+                f"hint: the loop waits for the prefetcher's own preparation of batches {self.preparing_share:.0%} "
+                "of the time, which loader workers cannot speed up: without CUDA it normalizes and augments on "
+                "the CPU (train on a GPU, or augment less); with decode=False it decodes JPEG itself (decode in "
+                "the workers instead, the default)."
             )
         if self.loader_bound:
             lines.append(

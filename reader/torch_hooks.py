@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import multiprocessing
 from dataclasses import dataclass
 from typing import Any, Callable, cast
 
@@ -109,19 +110,28 @@ class HookedDataLoader(DataLoader):
     def _get_iterator(self) -> Any:
         """The DataLoader's iterator, which starts the workers: the receiving one where torch has it.
 
-        The parent's garbage is collected first. A forked worker inherits the parent's heap, garbage
-        cycles included, and a worker's collector that frees a CUDA tensor of such a cycle calls into
-        CUDA in the child, which aborts the worker ("CUDA error: initialization error" from the caching
-        allocator's ``insert_events``: seen on an H200 with ``CUDAPrefetcher``'s ``record_stream``-ed
-        batches). Collected here the garbage is gone before the fork, and the worker freezes what it
-        inherits (``reader.loader.start_worker``)."""
-        if self.num_workers > 0:
+        Workers forked with the collector on get the parent's garbage collected first. A forked worker
+        inherits the parent's heap, garbage cycles included, and a worker's collector that frees a CUDA
+        tensor of such a cycle calls into CUDA in the child, which aborts the worker ("CUDA error:
+        initialization error" from the caching allocator's ``insert_events``: seen on an H200 with
+        ``CUDAPrefetcher``'s ``record_stream``-ed batches). Collected here the garbage is gone before
+        the fork, and the worker freezes what it inherits (``reader.loader.start_worker``). Spawned and
+        forkserver workers inherit nothing, and with the collector off (``gc.disable()``) a worker
+        collects nothing either."""
+        if self.num_workers > 0 and gc.isenabled() and _start_method(self.multiprocessing_context) == "fork":
             gc.collect()
         receiver, receiving = self.batch_receiver(), receiving_iterator_class()
         if self.num_workers == 0 or receiver is None or receiving is None:
             return super()._get_iterator()
         self.check_worker_number_rationality()
         return receiving(self, receiver)
+
+
+def _start_method(context: Any) -> str:
+    """How a DataLoader with this ``multiprocessing_context`` (None, a name or a context) starts workers."""
+    if context is None:
+        return multiprocessing.get_start_method()
+    return context if isinstance(context, str) else context.get_start_method()
 
 
 def receiving_iterator_class() -> type | None:

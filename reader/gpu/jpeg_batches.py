@@ -51,18 +51,22 @@ def decode_jpegs(payloads: list[torch.Tensor], device: torch.device) -> torch.Te
     On CUDA with a GPU decoder the work is queued on the current stream's side of the decoder (the
     current stream waits for it) and the images are made on the current stream. A payload that is
     not a JPEG raises ``ValueError`` naming its position in the batch (``packer verify --deep`` names
-    the record).
+    the record); the GPU decoder's other errors (out of memory, a driver error) are raised as they are.
     """
     decoder = gpu_decoder() if device.type == "cuda" else None
     images = None
     if decoder is not None:
         try:
             images = decoder([payload.contiguous() for payload in payloads], device)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as e:
             if "nvJPEG" in str(e) and "not compiled" in str(e):  # a torchvision without nvJPEG: decode on the host
                 _no_gpu_decoder(str(e))
-            else:
-                raise ValueError(f"{_first_bad(payloads)}: the GPU decoder failed ({e})") from None
+            else:  # a payload the host refuses too is named; else the GPU decoder's own error stands
+                for position, payload in enumerate(payloads):
+                    _host_decode(position, payload)
+                raise
     if images is None:
         images = [_host_decode(k, payload).to(device, non_blocking=True) for k, payload in enumerate(payloads)]
     if len({tuple(image.shape) for image in images}) == 1:
@@ -79,25 +83,17 @@ def _no_gpu_decoder(reason: str) -> None:
 
 def _host_decode(position: int, payload: torch.Tensor) -> torch.Tensor:
     """One payload decoded by libjpeg-turbo to a ``[3, H, W]`` uint8 tensor (pinned when CUDA is there,
-    so that its copy to the device is asynchronous)."""
+    so that its copy to the device is asynchronous), as ``PackedDataset`` decodes by default
+    (``fast_decode=True``), and with the GIL released where the system's TurboJPEG is there, so that
+    the training thread runs on meanwhile."""
     import simplejpeg  # reader.format.jpeg_decode's binding; its header reader gives the size
 
     data = payload.numpy().tobytes()
     try:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         out = np.empty((height, width, 3), np.uint8)
-        decode_jpeg_into(memoryview(data), out, fast=True)
+        decode_jpeg_into(memoryview(data), out, fast=True, release_gil=True)
     except ValueError as e:
         raise ValueError(f"sample {position} of the batch is not a valid JPEG payload ({e})") from None
     image = torch.from_numpy(out).permute(2, 0, 1)
     return image.pin_memory() if torch.cuda.is_available() else image
-
-
-def _first_bad(payloads: list[torch.Tensor]) -> str:
-    """Which sample of a batch the host decoder refuses (to name the culprit of a GPU decode error)."""
-    for position, payload in enumerate(payloads):
-        try:
-            _host_decode(position, payload)
-        except ValueError as e:
-            return str(e)
-    return f"a batch of {len(payloads)} JPEG payloads"

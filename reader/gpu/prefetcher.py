@@ -7,12 +7,13 @@ allocator never hands its memory back to the side stream while the consumer stil
 in apex's prefetcher). Without CUDA the same code runs on the CPU, so training loops do not branch.
 
 The preparing thread: batch k+1 is pulled from the loader (receiving it from a worker, and pinning
-it where the loader pins), copied and augmented on a thread of the prefetcher's own while the training
-loop runs step k, so that none of that host work sits in the training thread. The loop waits for the
-thread only when it is behind. The thread and the training loop never use the loader at the same
-time: the loader's state is saved in the training thread between the thread's pulls, and each pass's
-first batch, which the loop waits for anyway, is pulled by the training thread (a loader starting its
-workers forks them from there, not from a second thread).
+it where the loader pins), copied and augmented on a thread of the prefetcher's own (a daemon thread
+a batch) while the training loop runs step k, so that none of that host work sits in the training
+thread. The loop waits for the thread only when it is behind. The thread and the training loop never
+use the loader at the same time: the loader's state is saved in the training thread between the
+thread's pulls; a new pass, ``set_epoch``, ``state_dict`` and ``load_state_dict`` wait for the thread
+first; and each pass's first batch, which the loop waits for anyway, is pulled by the training thread
+(a loader starting its workers forks them from there, not from a second thread).
 
 Encoded JPEG batches (``PackedDataset(decode=False)``: the workers only read) are decoded on that
 thread, on the GPU with nvJPEG where torchvision has it (``reader.gpu.jpeg_batches``), then augmented
@@ -28,9 +29,10 @@ exactly what the uninterrupted run drew, and the state is the same on every rank
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -122,7 +124,7 @@ class CUDAPrefetcher(EpochCursor):
         self.rank = rank_and_world_size(None)[0] if rank is None else whole_number("rank", rank)
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._position: dict | None = None
-        self._preparing: ThreadPoolExecutor | None = None  # the preparing thread, made at the first pass
+        self._in_flight: _Preparing | None = None  # the batch the preparing thread works on, if any
         self.preparing_s = 0.0  # the consumer's waits for preparation (not for the loader), kept apart by StepTimer
 
     def __len__(self) -> int:
@@ -133,6 +135,7 @@ class CUDAPrefetcher(EpochCursor):
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration's draws, and forward it to the loader. Moving to another
         epoch than a loaded state's drops that state's position, as the loader does."""
+        self._settle()
         if self._move_to_epoch(epoch):
             self._position = None
         forward_set_epoch(self.loader, self.epoch)
@@ -141,6 +144,7 @@ class CUDAPrefetcher(EpochCursor):
         """Where the consumer is: ``{"epoch", "batches" (handed over this epoch), "seed", "loader"}``,
         the loader's state taken before it produced the batch after those. Between iterations: the
         position after the last batch handed over."""
+        self._settle()
         if self._position is not None:
             state = dict(self._position)
         else:
@@ -159,6 +163,7 @@ class CUDAPrefetcher(EpochCursor):
         if not hasattr(self.loader, "load_state_dict"):
             raise TypeError(f"{type(self.loader).__name__} has no load_state_dict(): cannot resume it")
         state, epoch, batches, seed = saved_position(state, "loader")
+        self._settle()
         self.loader.load_state_dict(state["loader"])
         self.seed = seed
         self._restore_position(epoch, batches)
@@ -174,12 +179,20 @@ class CUDAPrefetcher(EpochCursor):
         """Record the position after ``batches`` handed over: the loader's state before the next pull."""
         self._position = {"epoch": epoch, "batches": batches, "seed": self.seed, "loader": self._loader_state()}
 
+    def _settle(self) -> None:
+        """Wait until the preparing thread is done with the loader (called before the training thread
+        uses the loader: a new pass, ``set_epoch``, ``state_dict``, ``load_state_dict``)."""
+        if self._in_flight is not None:
+            self._in_flight.settle()
+
     def _batches(self, epoch: int, first: int) -> Iterator[Batch]:
         """Yield batch k while the preparing thread pulls batch k+1 from the loader and prepares it.
         Closing this generator (an early ``break`` does) waits for the batch in flight, then drops it
-        and closes the loader's iterator, here; the position stays after the last batch handed over."""
+        and closes the loader's iterator; the position stays after the last batch handed over. Closed
+        by an exception (Ctrl-C), it does not wait for a loader that may never answer."""
+        self._settle()
         source = [iter(self.loader)]  # the thread's tasks reach it through this list, emptied at the end
-        pending: Future | None = None
+        pending: _Preparing | None = None
         ready: Batch | None = None
         number = first
         try:
@@ -194,25 +207,30 @@ class CUDAPrefetcher(EpochCursor):
                 yield ready
             self._mark(epoch + 1, 0)
         finally:
-            if pending is not None and not pending.cancel():
-                pending.exception()  # wait for the batch in flight: nothing is made after the loop ends
+            closing = sys.exc_info()[1]
+            if pending is not None:
+                if closing is None or isinstance(closing, GeneratorExit):
+                    pending.settle()  # nothing is made after the loop ends
+                pending.drop()
             pending = ready = None  # drop the batches in flight
             source.clear()  # and the loader's iterator (no finished task keeps it alive)
 
     def _submit(self, source: list[Iterator[Batch]], epoch: int, number: int,
-                pulled: Pulled | None = None) -> Future:
-        """Hand the pull of batch ``number`` (unless ``pulled`` already) and its preparation to the
+                pulled: Pulled | None = None) -> _Preparing:
+        """Hand the pull of batch ``number`` (unless ``pulled`` already) and its preparation to a
         preparing thread."""
-        if self._preparing is None:
-            self._preparing = ThreadPoolExecutor(1, thread_name_prefix="CUDAPrefetcher")
-        return self._preparing.submit(self._pulled_and_prepared, source, epoch, number, pulled)
+        self._in_flight = _Preparing(lambda: self._pulled_and_prepared(source, epoch, number, pulled))
+        return self._in_flight
 
     def _pulled_and_prepared(self, source: list[Iterator[Batch]], epoch: int, number: int,
                              pulled: Pulled | None) -> Pulled:
         """(The preparing thread.) The next batch from the loader, prepared (``_prepared``), or None at
-        the end of the pass; and when the loader handed it over."""
-        batch, at = (next(source[0], None), time.perf_counter()) if pulled is None else pulled
-        return (None if batch is None else self._prepared(batch, epoch, number)), at
+        the end of the pass; and when the loader handed it over. The thread's current CUDA device is the
+        prefetcher's, for the loader's code too."""
+        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with device:
+            batch, at = (next(source[0], None), time.perf_counter()) if pulled is None else pulled
+            return (None if batch is None else self._prepared(batch, epoch, number)), at
 
     def _prepared(self, batch: Batch, epoch: int, number: int) -> Batch:
         extras: list[Any] = []
@@ -246,7 +264,7 @@ class CUDAPrefetcher(EpochCursor):
             tensors = tensors.pin_memory()
         return tensors.to(self.device, non_blocking=True)
 
-    def _synced_for_consumer(self, pending: Future) -> Batch | None:
+    def _synced_for_consumer(self, pending: _Preparing) -> Batch | None:
         """Wait for the preparing thread's batch (None: the pass is over), then make the consumer's
         stream wait for it and protect its memory from reuse meanwhile. Of the time waited, what the
         thread spent preparing rather than waiting for the loader is added to ``preparing_s``."""
@@ -259,6 +277,54 @@ class CUDAPrefetcher(EpochCursor):
             for tensor in _tensors(batch):
                 tensor.record_stream(consumer)
         return batch
+
+
+class _Preparing:
+    """One batch pulled and prepared on a daemon thread of its own (a thread a batch costs some tens of
+    microseconds). Daemon, so that a loader that never answers does not keep the process from exiting;
+    where no thread can start (the interpreter shutting down), the work runs in the calling thread."""
+
+    def __init__(self, work: Callable[[], Pulled]) -> None:
+        self._done = threading.Event()
+        self._result: Pulled | None = None
+        self._error: BaseException | None = None
+        self._dropped = False
+        self._thread = threading.Thread(target=self._run, args=(work,), name="CUDAPrefetcher", daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown"
+            self._run(work)
+
+    def _run(self, work: Callable[[], Pulled]) -> None:
+        try:
+            result = work()
+            if not self._dropped:
+                self._result = result
+        except BaseException as e:  # handed to the training thread by result()
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self) -> Pulled:
+        """The prepared batch and when it was pulled, once ready (handed over once: this object keeps
+        no reference to it); the thread's exception, raised here."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        result, self._result = self._result, None
+        assert result is not None
+        return result
+
+    def drop(self) -> None:
+        """Forget the result, whenever the thread sets it (a batch nobody will take)."""
+        self._dropped = True
+        self._result = None
+
+    def settle(self) -> None:
+        """Wait until the work is done, unless called from its own thread (a generator closed by the
+        garbage collector running there), which would wait for itself."""
+        if threading.current_thread() is not self._thread:
+            self._done.wait()
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

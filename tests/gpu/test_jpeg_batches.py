@@ -14,6 +14,7 @@ from PIL import Image
 from reader_helpers import JPEG_QUALITY, make_images, write_dataset
 
 from reader import CUDAPrefetcher, PackedDataset, make_loader
+from reader.gpu import jpeg_batches
 from reader.gpu.jpeg_batches import decode_jpegs
 from reader.list_batches import is_encoded
 
@@ -150,3 +151,26 @@ def test_cuda_decode_is_close_to_the_host_decode_on_another_stream(uncropped: Pa
         assert images.device.type == "cuda"
         assert torch.equal(labels.cpu(), reference_labels)
         assert (images.cpu() - reference).abs().mean() < 4.0
+
+
+def test_a_concat_of_encoded_and_decoded_datasets_is_one_clear_line(cropped: Path) -> None:
+    mixed = torch.utils.data.ConcatDataset([PackedDataset(cropped, decode=False), PackedDataset(cropped)])
+    with pytest.raises(ValueError, match=r"^ConcatDataset mixes datasets opened with decode=False and decode=True"):
+        make_loader(mixed, 4, num_workers=0)
+
+
+def test_gpu_decoder_errors(images: list[np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A payload the host refuses too is named; the decoder's other errors (out of memory, a driver
+    error on good data) are raised as they are, not blamed on the data. (A stand-in decoder: no GPU.)"""
+    good = torch.frombuffer(bytearray(jpeg_bytes(images[0])), dtype=torch.uint8)
+    bad = torch.frombuffer(bytearray(b"\xff\xd8 not a JPEG"), dtype=torch.uint8)
+    cuda = torch.device("cuda")
+    for error in (torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("nvjpeg: driver error")):
+        def failing(payloads: list[torch.Tensor], device: torch.device, error: Exception = error) -> list:
+            raise error
+
+        monkeypatch.setattr(jpeg_batches, "_gpu_decoder", failing)
+        with pytest.raises(type(error), match=str(error)):
+            decode_jpegs([good, good], cuda)
+    with pytest.raises(ValueError, match=r"^sample 1 of the batch is not a valid JPEG payload"):
+        decode_jpegs([good, bad], cuda)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gc
 import re
+import signal
+import threading
+import time
 import weakref
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -260,3 +263,125 @@ def test_a_corrupted_state_is_refused_before_the_loader_is_touched(
     assert loader.loaded == [] and prefetcher.state_dict()["batches"] == 0
     with pytest.raises(TypeError, match=r"^epoch must be an int, got 'a'$"):
         prefetcher.set_epoch("a")  # type: ignore[arg-type]
+
+
+class WatchedLoader:
+    """A loader whose batches take ``pull_s`` to come, which records any call made while a pull is
+    under way (another thread using it at the same time)."""
+
+    def __init__(self, batches: int = 4, pull_s: float = 0.05) -> None:
+        self.batches, self.pull_s = batches, pull_s
+        self.pulling = 0
+        self.overlaps: list[str] = []
+        self.epoch = 0
+
+    def _check(self, call: str) -> None:
+        if self.pulling:
+            self.overlaps.append(call)
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def state_dict(self) -> dict:
+        self._check("state_dict")
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._check("load_state_dict")
+
+    def set_epoch(self, epoch: int) -> None:
+        self._check("set_epoch")
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self._check("iter")
+        for k in range(self.batches):
+            self.pulling += 1
+            time.sleep(self.pull_s)
+            self.pulling -= 1
+            yield torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.tensor([k, k])
+
+
+def test_the_loader_is_never_used_by_two_threads_at_once() -> None:
+    """The preparing thread pulls while the loop runs; a new pass, set_epoch, state_dict and
+    load_state_dict from the loop wait for it first."""
+    loader = WatchedLoader(pull_s=0.2)
+    prefetcher = CUDAPrefetcher(loader, MEAN, STD, device="cpu")
+    peeked = iter(prefetcher)
+    next(peeked)  # a pass left open, its next pull under way
+    time.sleep(0.05)
+    assert len(list(prefetcher)) == 4  # another pass
+    for _ in prefetcher:
+        time.sleep(0.05)  # the next pull is under way
+        prefetcher.set_epoch(3)
+        prefetcher.load_state_dict(prefetcher.state_dict())
+    assert loader.overlaps == []
+    del peeked
+
+
+def _finishes(target: Callable[[], None], timeout_s: float = 20.0) -> bool:
+    done = threading.Event()
+    threading.Thread(target=lambda: (target(), done.set()), daemon=True).start()
+    return done.wait(timeout_s)
+
+
+def test_a_pass_collected_on_the_preparing_thread_does_not_wait_for_itself() -> None:
+    """An abandoned pass in a reference cycle, freed by a collection that runs on the preparing thread
+    (any allocation there can start one), must not wait there for that thread's own work."""
+
+    class CollectingLoader(WatchedLoader):
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for k, batch in enumerate(super().__iter__()):
+                if k == 1:
+                    gc.collect()
+                yield batch
+
+    def scenario() -> None:
+        prefetcher = CUDAPrefetcher(CollectingLoader(pull_s=0.01), MEAN, STD, device="cpu")
+
+        class Holder:
+            pass
+
+        holder = Holder()
+        holder.cycle, holder.batches = holder, iter(prefetcher)
+        next(holder.batches)  # the pull of batch 1, which collects, is under way
+        del holder
+        time.sleep(0.5)
+        assert len(list(prefetcher)) == 4
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(0)  # only the loader's explicit collection frees the abandoned pass
+    try:
+        assert _finishes(scenario), "deadlocked: the preparing thread waits for itself"
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupt_while_waiting_does_not_wait_for_the_loader() -> None:
+    """Ctrl-C while the loop waits for the preparing thread, stuck in a loader that does not answer,
+    reaches the caller at once."""
+
+    class StuckLoader(WatchedLoader):
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            yield torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.tensor([0, 0])
+            time.sleep(3.0)
+            yield torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.tensor([1, 1])
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    started = time.perf_counter()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Interrupted):
+            for _ in CUDAPrefetcher(StuckLoader(), MEAN, STD, device="cpu"):
+                pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.perf_counter() - started < 2.0

@@ -50,3 +50,9 @@ def test_a_move_that_returns_its_input_keeps_the_views() -> None:
     _, tensors = views_of_one_buffer()
     moved = moved_together(tensors, lambda tensor: tensor.to("cpu"))
     assert all(torch.equal(got, want) and got.data_ptr() == want.data_ptr() for got, want in zip(moved, tensors))
+
+
+def test_a_few_small_views_of_a_large_buffer_move_one_by_one() -> None:
+    big = torch.zeros(1 << 20, dtype=torch.uint8)
+    assert shared_buffer([big[:10], big[-10:]]) is None
+    assert shared_buffer([big[:10], big[10:30]]) is not None

@@ -303,10 +303,11 @@ def test_forked_workers_do_not_inherit_the_parents_garbage(raw_path: Path, tmp_p
 
     monkeypatch.setattr(reader.loader, "start_worker", collecting_start)
     loader = make_loader(PackedDataset(raw_path), 8, num_workers=2, multiprocessing_context="fork", pin_memory=False)
-    gc.disable()  # so that only an explicit collection frees the sentinel
+    thresholds = gc.get_threshold()
+    gc.set_threshold(0)  # the collector stays on, but only an explicit collection frees the sentinel
     try:
         Sentinel(record)
         assert sum(len(labels) for _, labels in loader) == len(loader.dataset)
     finally:
-        gc.enable()
+        gc.set_threshold(*thresholds)
     assert record.read_text().split() == [str(os.getpid())]

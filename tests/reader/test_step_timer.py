@@ -101,7 +101,8 @@ class SlowAugment(BatchAugment):
 
 
 def test_a_prefetchers_cpu_augmentation_is_preparation_not_loader_wait() -> None:
-    """Without CUDA the prefetcher augments in the training thread: a fast loader must not be blamed."""
+    """Without CUDA the prefetcher augments on the CPU, which the loop waits for: a fast loader must not be
+    blamed."""
     prefetcher = CUDAPrefetcher(list(batches(6)), augment=SlowAugment((0.5,) * 3, (0.5,) * 3), device="cpu")
     timer = StepTimer()
     for _ in timer.wrap(prefetcher):
@@ -111,4 +112,4 @@ def test_a_prefetchers_cpu_augmentation_is_preparation_not_loader_wait() -> None
     assert summary.preparing_share > 0.7 and summary.wait_share < 0.3 and not summary.loader_bound
     report = summary.report()
     assert "hint: the loader is the bottleneck" not in report
-    assert "hint: preparing batches in the training thread takes" in report and "CPU" in report
+    assert "hint: the loop waits for the prefetcher's own preparation of batches" in report and "CPU" in report
