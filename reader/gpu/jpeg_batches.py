@@ -48,8 +48,8 @@ def decode_jpegs(payloads: list[torch.Tensor], device: torch.device) -> torch.Te
     """The JPEG ``payloads`` (1-D uint8 CPU tensors) decoded to uint8 RGB images on ``device``: one
     ``[B, 3, H, W]`` tensor when they all have one size, else a list of ``[3, H_i, W_i]``.
 
-    On CUDA with a GPU decoder the work is queued on the current stream's side of the decoder (the
-    current stream waits for it) and the images are made on the current stream. A payload that is
+    On CUDA with a GPU decoder the batch is decoded on the decoder's own stream, which the current
+    stream then waits for, into images allocated on the current stream. A payload that is
     not a JPEG raises ``ValueError`` naming its position in the batch (``packer verify --deep`` names
     the record); the GPU decoder's other errors (out of memory, a driver error) are raised as they are.
     """

@@ -144,10 +144,10 @@ class CUDAPrefetcher(EpochCursor):
         """Where the consumer is: ``{"epoch", "batches" (handed over this epoch), "seed", "loader"}``,
         the loader's state taken before it produced the batch after those. Between iterations: the
         position after the last batch handed over."""
-        self._settle()
         if self._position is not None:
-            state = dict(self._position)
+            state = dict(self._position)  # saved by the training thread: the thread's pull may go on
         else:
+            self._settle()
             state = {"epoch": self.epoch, "batches": self._resume_at, "seed": self.seed, "loader": self._loader_state()}
         if state["loader"] is None:
             raise TypeError(
