@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--label-smoothing", type=float, default=0.0)
     parser.add_argument("--width", type=int, default=64, help="channels of the small CNN")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="auto: cuda where there is a GPU for every process of the node, else cpu")
+                        help="auto: cuda where torch sees a GPU (one for each process of the node), else cpu")
     parser.add_argument("--seed", type=int, default=0, help="the run's seed, the same on every rank")
     parser.add_argument("--print-freq", type=int, default=10)
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps, mid-epoch")
@@ -70,16 +70,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def init_distributed(choice: str) -> tuple[int, int, torch.device]:
     """torchrun's environment -> ``(rank, world_size, device)``; one process without it. ``choice``:
-    ``cuda`` (one GPU per process of the node), ``cpu``, or ``auto`` (cuda where torch sees one GPU for
-    each of this node's processes, else cpu). Asking for cuda with fewer GPUs than processes is one
-    line saying so, not torch's "invalid device ordinal" from the rank without a GPU."""
+    ``cuda`` (one GPU per process of the node), ``cpu``, or ``auto`` (cuda where torch sees a GPU, else
+    cpu). Cuda with fewer GPUs than processes is one line saying so, not torch's "invalid device
+    ordinal" from the rank without a GPU."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    cuda = choice == "cuda" or (choice == "auto" and gpus >= processes)
+    cuda = choice == "cuda" or (choice == "auto" and gpus > 0)
     if cuda and gpus < processes:
-        raise SystemExit(f"--device cuda: {processes} process(es) on this node but torch sees {gpus} GPU(s); "
-                         f"run one process per GPU (torchrun --nproc_per_node={gpus}) or pass --device cpu")
+        advice = (f"run one process per GPU (torchrun --nproc_per_node={gpus}) or pass --device cpu" if gpus
+                  else "pass --device cpu, or install a CUDA build of torch")
+        raise SystemExit(f"--device {choice}: {processes} process(es) on this node but torch sees {gpus} GPU(s); "
+                         + advice)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

@@ -44,6 +44,7 @@ def test_cuda_with_fewer_gpus_than_processes_is_one_line(tmp_path):
                           "--output-dir", str(tmp_path / "out"), "--device", "cuda"], capture_output=True, text=True,
                          env=env, timeout=120)
     assert run.returncode == 1
+    advice = (f"run one process per GPU (torchrun --nproc_per_node={gpus}) or pass --device cpu" if gpus
+              else "pass --device cpu, or install a CUDA build of torch")
     assert run.stderr.strip().splitlines() == [
-        f"--device cuda: {gpus + 1} process(es) on this node but torch sees {gpus} GPU(s); run one process per GPU "
-        f"(torchrun --nproc_per_node={gpus}) or pass --device cpu"]
+        f"--device cuda: {gpus + 1} process(es) on this node but torch sees {gpus} GPU(s); {advice}"]
