@@ -28,11 +28,13 @@ exactly what the uninterrupted run drew, and the state is the same on every rank
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Protocol, Sequence
+import weakref
+from typing import Any, Callable, Generator, Iterator, Protocol, Sequence
 
 import torch
 
@@ -68,6 +70,8 @@ def default_device(device: torch.device | str | None) -> torch.device:
                     f"device {str(device)!r}: torch sees {count} CUDA device{'s' * (count != 1)} "
                     f"(torch {torch.__version__}); pass device=None (CUDA when present, else CPU) or 'cpu', "
                     "or install a CUDA build of torch")
+            if chosen.index is None:  # "cuda": the current device, named, so that other threads use it too
+                return torch.device("cuda", torch.cuda.current_device())
         return chosen
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -125,6 +129,7 @@ class CUDAPrefetcher(EpochCursor):
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._position: dict | None = None
         self._in_flight: _Preparing | None = None  # the batch the preparing thread works on, if any
+        self._open_pass: weakref.ref[Generator[Batch, None, None]] | None = None  # the last pass started
         self.preparing_s = 0.0  # the consumer's waits for preparation (not for the loader), kept apart by StepTimer
 
     def __len__(self) -> int:
@@ -170,7 +175,14 @@ class CUDAPrefetcher(EpochCursor):
         self._position = dict(state)
 
     def __iter__(self) -> Iterator[Batch]:
-        return self._batches(*self._take_pass())
+        """A pass; a pass still open on this prefetcher is closed first (its next ``next()`` ends it),
+        as a DataLoader's new iterator resets the last one: both would read the same loader."""
+        previous = self._open_pass() if self._open_pass is not None else None
+        if previous is not None:
+            previous.close()
+        batches = self._batches(*self._take_pass())
+        self._open_pass = weakref.ref(batches)
+        return batches
 
     def _loader_state(self) -> dict | None:
         return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
@@ -185,7 +197,7 @@ class CUDAPrefetcher(EpochCursor):
         if self._in_flight is not None:
             self._in_flight.settle()
 
-    def _batches(self, epoch: int, first: int) -> Iterator[Batch]:
+    def _batches(self, epoch: int, first: int) -> Generator[Batch, None, None]:
         """Yield batch k while the preparing thread pulls batch k+1 from the loader and prepares it.
         Closing this generator (an early ``break`` does) waits for the batch in flight, then drops it
         and closes the loader's iterator; the position stays after the last batch handed over. Closed
@@ -212,6 +224,8 @@ class CUDAPrefetcher(EpochCursor):
                 if closing is None or isinstance(closing, GeneratorExit):
                     pending.settle()  # nothing is made after the loop ends
                 pending.drop()
+                if self._in_flight is pending:
+                    self._in_flight = None
             pending = ready = None  # drop the batches in flight
             source.clear()  # and the loader's iterator (no finished task keeps it alive)
 
@@ -282,14 +296,18 @@ class CUDAPrefetcher(EpochCursor):
 class _Preparing:
     """One batch pulled and prepared on a daemon thread of its own (a thread a batch costs some tens of
     microseconds). Daemon, so that a loader that never answers does not keep the process from exiting;
-    where no thread can start (the interpreter shutting down), the work runs in the calling thread."""
+    at exit, work still under way is given ``EXIT_WAIT_S`` to finish (``_wait_at_exit``) while threads
+    can still run, and waits once the interpreter is finalizing end at once (a daemon thread is stopped
+    there without finishing). Where no thread can start (shutdown), the work runs in the calling thread."""
 
     def __init__(self, work: Callable[[], Pulled]) -> None:
         self._done = threading.Event()
+        self._lock = threading.Lock()
         self._result: Pulled | None = None
         self._error: BaseException | None = None
         self._dropped = False
         self._thread = threading.Thread(target=self._run, args=(work,), name="CUDAPrefetcher", daemon=True)
+        _under_way.add(self)
         try:
             self._thread.start()
         except RuntimeError:  # "can't create new thread at interpreter shutdown"
@@ -298,33 +316,53 @@ class _Preparing:
     def _run(self, work: Callable[[], Pulled]) -> None:
         try:
             result = work()
-            if not self._dropped:
-                self._result = result
+            with self._lock:
+                if not self._dropped:
+                    self._result = result
         except BaseException as e:  # handed to the training thread by result()
-            self._error = e
+            with self._lock:
+                if not self._dropped:
+                    self._error = e
         finally:
             self._done.set()
 
     def result(self) -> Pulled:
-        """The prepared batch and when it was pulled, once ready (handed over once: this object keeps
-        no reference to it); the thread's exception, raised here."""
+        """The prepared batch and when it was pulled, once ready, or the thread's exception raised here;
+        handed over once (this object keeps no reference to either: an error's traceback holds the
+        batch's tensors)."""
         self._done.wait()
-        if self._error is not None:
-            raise self._error
-        result, self._result = self._result, None
+        with self._lock:
+            result, self._result = self._result, None
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
         assert result is not None
         return result
 
     def drop(self) -> None:
-        """Forget the result, whenever the thread sets it (a batch nobody will take)."""
-        self._dropped = True
-        self._result = None
+        """Forget the result or error, whenever the thread sets it (a batch nobody will take)."""
+        with self._lock:
+            self._dropped = True
+            self._result = self._error = None
 
-    def settle(self) -> None:
+    def settle(self, timeout: float | None = None) -> None:
         """Wait until the work is done, unless called from its own thread (a generator closed by the
-        garbage collector running there), which would wait for itself."""
-        if threading.current_thread() is not self._thread:
-            self._done.wait()
+        garbage collector running there, which would wait for itself) or while the interpreter is
+        finalizing (the thread may have been stopped)."""
+        if threading.current_thread() is not self._thread and not sys.is_finalizing():
+            self._done.wait(timeout)
+
+
+# The work under way, waited for at exit (``_Preparing``).
+EXIT_WAIT_S = 5.0
+_under_way: weakref.WeakSet[_Preparing] = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for preparing in list(_under_way):
+        preparing.settle(max(0.0, deadline - time.monotonic()))
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import gc
 import re
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -14,8 +17,10 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+from hostile_helpers import subprocess_env
 from PIL import Image
 
+from reader.gpu.augment import BatchAugment
 from reader.gpu.prefetcher import CUDAPrefetcher
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -385,3 +390,57 @@ def test_an_interrupt_while_waiting_does_not_wait_for_the_loader() -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert time.perf_counter() - started < 2.0
+
+
+def test_a_new_pass_closes_the_open_one() -> None:
+    loader = WatchedLoader(pull_s=0.01)
+    prefetcher = CUDAPrefetcher(loader, MEAN, STD, device="cpu")
+    first = iter(prefetcher)
+    next(first)
+    second = iter(prefetcher)
+    assert len(list(second)) == 4
+    with pytest.raises(StopIteration):
+        next(first)
+    assert loader.overlaps == []
+
+
+def test_a_failed_batch_is_not_kept() -> None:
+    """An error in preparing a batch (out of memory, say) reaches the caller once; nothing keeps the
+    failed batch's tensors (the error's traceback holds them) once the caller lets the error go."""
+    inputs: list[weakref.ref] = []
+
+    class FailingAugment(BatchAugment):
+        def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+            inputs.append(weakref.ref(images))
+            if len(inputs) == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+            return super().__call__(images, generator)
+
+    prefetcher = CUDAPrefetcher(WatchedLoader(pull_s=0.0), augment=FailingAugment(MEAN, STD), device="cpu")
+    with pytest.raises(torch.OutOfMemoryError):
+        for _ in prefetcher:
+            pass
+    gc.collect()
+    assert inputs[1]() is None
+
+
+def test_the_process_exits_with_a_pass_left_open(tmp_path: Path) -> None:
+    """A pass left open at exit, its next batch still being pulled: the process ends (the preparing
+    thread is a daemon, waited for a few seconds at exit), it does not hang."""
+    script = tmp_path / "left_open.py"
+    script.write_text(textwrap.dedent("""
+        import time, torch
+        from reader.gpu.prefetcher import CUDAPrefetcher
+        class Slow:
+            def __len__(self): return 3
+            def __iter__(self):
+                for k in range(3):
+                    yield torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.tensor([k, k])
+                    time.sleep(1.0)
+        batches = iter(CUDAPrefetcher(Slow(), (0.5,) * 3, (0.25,) * 3, device="cpu"))
+        next(batches)
+        print("left open")
+        """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         env=subprocess_env())
+    assert run.returncode == 0 and run.stdout == "left open\n", run.stderr
