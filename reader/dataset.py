@@ -289,7 +289,7 @@ class PackedDataset(Dataset):
         if self._encoding.stores_pixels:
             return self._read_raw(idx, allocate)
         if not self.decode:
-            return self._read_encoded(idx, allocate)
+            return self._read_stored(idx, allocate)
         return self._read_decoded(idx, allocate)
 
     def advise(self, indices: Indices, seen: set[int] | None = None) -> None:
@@ -363,13 +363,12 @@ class PackedDataset(Dataset):
             batch = allocate((len(idx), *self.manifest.shape))
             self._read_payloads(idx, _split(batch, nbytes))
             return batch
-        flat = allocate((int(nbytes.sum()),))
-        self._read_payloads(idx, _split(flat, nbytes))
         return [part.view(3, h, w) for part, h, w in
-                zip(flat.split(nbytes.tolist()), records.heights[idx].tolist(), records.widths[idx].tolist())]
+                zip(self._read_stored(idx, allocate), records.heights[idx].tolist(), records.widths[idx].tolist())]
 
-    def _read_encoded(self, idx: np.ndarray, allocate: Allocator) -> list[torch.Tensor]:
-        """The records' encoded payloads, one 1-D uint8 tensor each, views of one buffer (``decode=False``)."""
+    def _read_stored(self, idx: np.ndarray, allocate: Allocator) -> list[torch.Tensor]:
+        """The records' payloads as they are stored, one 1-D uint8 tensor each, views of one buffer
+        (``decode=False``; raw records of varying sizes are these, viewed as images)."""
         nbytes = self._records.nbytes[idx]
         flat = allocate((int(nbytes.sum()),))
         self._read_payloads(idx, _split(flat, nbytes))

@@ -46,10 +46,11 @@ def shared_buffer(tensors: Sequence[Any]) -> tuple[torch.Tensor, int] | None:
     return span, start
 
 
-def moved_together(tensors: list[torch.Tensor], move: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+def moved_together(tensors: list[Any], move: Callable[[Any], Any]) -> list[Any]:
     """``[move(t) for t in tensors]``, done as one ``move`` of the buffer they share (``shared_buffer``)
-    and views of its result with the same shapes and strides; item by item when they share none.
-    ``move`` must return a fresh contiguous copy (``pin_memory``, ``.to(device)``)."""
+    and views of its result with the same shapes and strides; item by item when they share none (or
+    are not all tensors). ``move`` returns a contiguous copy (``pin_memory``, ``.to(device)``) or its
+    argument itself (``.to()`` the device it is on)."""
     shared = shared_buffer(tensors)
     if shared is None:
         return [move(tensor) for tensor in tensors]

@@ -42,9 +42,11 @@ class PackedView(Dataset):
         self.source = source
         self._source_name = _name(source)
         parts, part_of, record_of = _resolve(source)
-        if len({getattr(part, "decode", True) for part in parts}) > 1:
+        decodes = {getattr(part, "decode", True) for part in parts}
+        if len(decodes) > 1:
             raise ValueError(f"{self._source_name} mixes datasets opened with decode=False and decode=True: a batch "
                              "is either encoded JPEG records or pixels; open every part the same way")
+        self.decodes = all(decodes)  # False: batches are encoded records (``PackedDataset(decode=False)``)
         self.parts: list[PackedDataset] = parts
         self._length = len(part_of)
         # per position: [part, record]; None for a whole single part (the identity: nothing per record)
@@ -77,7 +79,7 @@ class PackedView(Dataset):
     def batch_nbytes(self, batch_size: int) -> int | None:
         """The bytes of a full batch's images when every record has the same shape (manifest
         ``shape``) in every part and is decoded; else None (encoded records vary in size)."""
-        if not all(getattr(part, "decode", True) for part in self.parts):
+        if not self.decodes:
             return None
         shapes = {None if part.manifest.shape is None else tuple(part.manifest.shape) for part in self.parts}
         shape = shapes.pop() if len(shapes) == 1 else None

@@ -248,9 +248,8 @@ def feeds(
 
 def augment_costs(dataset: PackedDataset, args: argparse.Namespace, bf16: bool, device: torch.device,
                   repeats: int = 20) -> dict[str, float]:
-    """The augmentation's own device time per batch, in ms, on one resident batch of the dataset
-    (CUDA events on the current stream; on the CPU, wall time): normalize alone, with flip, and with
-    the crop the feeds use, so users see what each op costs."""
+    """The augmentation's own time per batch, in ms, on one resident batch of the dataset (``ms_per_call``):
+    normalize alone, with flip, and with the crop the feeds use, so users see what each op costs."""
     images, _ = dataset.read_batch(list(range(min(args.batch_size, len(dataset)))))
     if isinstance(images, list):
         images = [image.to(device) for image in images]
@@ -266,14 +265,7 @@ def augment_costs(dataset: PackedDataset, args: argparse.Namespace, bf16: bool, 
     for name, options in variants.items():
         augment = batch_augment(args, bf16, **{"flip": False, "random_resized_crop": None, **options})
         generator = torch.Generator(device=device)
-        for _ in range(3):
-            augment(images, generator)
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            augment(images, generator)
-        synchronize(device)
-        costs[name] = 1000 * (time.perf_counter() - start) / repeats
+        costs[name] = ms_per_call(lambda: augment(images, generator), device, repeats, warmup=3)
     return costs
 
 
@@ -284,19 +276,22 @@ def decode_costs(dataset: PackedDataset, args: argparse.Namespace, device: torch
     decoded), and libjpeg-turbo on one core of the host, as the loader's workers decode."""
     indices = list(range(min(args.batch_size, len(dataset))))
     payloads, _ = PackedDataset(dataset.path, decode=False).read_batch(indices)
-    costs = {}
-    for _ in range(2):
-        decode_jpegs(payloads, device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        decode_jpegs(payloads, device)
+    on_device = ms_per_call(lambda: decode_jpegs(payloads, device), device, repeats, warmup=2)
+    on_host = ms_per_call(lambda: dataset.read_batch(indices), device, repeats)
+    return {f"decode_jpegs on {device.type}": on_device, "read_batch, decoded on one host core": on_host}
+
+
+def ms_per_call(call: Callable[[], object], device: torch.device, repeats: int, warmup: int = 0) -> float:
+    """The mean wall time of ``repeats`` calls of ``call``, in ms, after ``warmup`` untimed ones, the
+    device synchronized before and after (so that the work the calls queue there counts)."""
+    for _ in range(warmup):
+        call()
     synchronize(device)
-    costs[f"decode_jpegs on {device.type}"] = 1000 * (time.perf_counter() - start) / repeats
     start = time.perf_counter()
     for _ in range(repeats):
-        dataset.read_batch(indices)
-    costs["read_batch, decoded on one host core"] = 1000 * (time.perf_counter() - start) / repeats
-    return costs
+        call()
+    synchronize(device)
+    return 1000 * (time.perf_counter() - start) / repeats
 
 
 def parse_args() -> argparse.Namespace:

@@ -63,7 +63,7 @@ def pack_images(
         Image.fromarray(image).save(path)
     sizes = {image.shape for image in images}
     h, w, _ = images[0].shape
-    record_bytes = 3 * h * w if encoding == "raw" else len(_jpeg_bytes(images[0]))
+    record_bytes = 3 * h * w if encoding == "raw" else len(jpeg_bytes(images[0]))
     packer.pack(src, dst, storage=storage, encoding=encoding, quality=JPEG_QUALITY,
                 crop=(h, w) if len(sizes) == 1 else None, shard_size=records_per_shard * record_bytes,
                 workers=1, progress=False)
@@ -71,7 +71,8 @@ def pack_images(
     return Packed(dst, encoding, [images[k] for k in order], [labels[k] for k in order])
 
 
-def _jpeg_bytes(image: np.ndarray) -> bytes:
+def jpeg_bytes(image: np.ndarray) -> bytes:
+    """``image`` (HWC) as the JPEG bytes ``write_dataset`` stores for it."""
     buf = io.BytesIO()
     Image.fromarray(image).save(buf, "JPEG", quality=JPEG_QUALITY)
     return buf.getvalue()
@@ -89,7 +90,7 @@ def write_dataset(
 ) -> Path:
     """Write ``images`` (HWC) as records in exactly this order, through ``reader.format``'s
     ``DatasetWriter`` rather than the packer (for tests that need that order); return ``dst``."""
-    payloads = [_jpeg_bytes(image) if encoding == "jpeg" else image.transpose(2, 0, 1).tobytes() for image in images]
+    payloads = [jpeg_bytes(image) if encoding == "jpeg" else image.transpose(2, 0, 1).tobytes() for image in images]
     writer = DatasetWriter(dst, storage, shard_size=records_per_shard * max(map(len, payloads)))
     for k, (image, payload, label) in enumerate(zip(images, payloads, labels)):
         writer.add(payload, label, image.shape[0], image.shape[1], source=f"written/{k:04d}.png")

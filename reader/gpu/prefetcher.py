@@ -42,7 +42,7 @@ from reader.arguments import saved_position, whole_number
 from reader.epoch_cursor import EpochCursor
 from reader.gpu.augment import BatchAugment, augment_from, seeded_generator
 from reader.gpu.jpeg_batches import decode_jpegs
-from reader.list_batches import is_encoded, moved_together, shared_buffer
+from reader.list_batches import is_encoded, moved_together
 from reader.ranks import rank_and_world_size
 
 Batch = tuple[torch.Tensor, ...] | dict[str, Any]  # a mapping with make_loader(fields=...)
@@ -269,9 +269,7 @@ class CUDAPrefetcher(EpochCursor):
         a list of views of one buffer (a batch of variable-size images) is copied as that buffer, other
         lists item by item, and what is not a tensor (a field's text) stays as it is."""
         if isinstance(tensors, (list, tuple)):
-            if shared_buffer(tensors) is not None:
-                return moved_together(list(tensors), self._to_device)
-            return [self._to_device(tensor) for tensor in tensors]
+            return moved_together(list(tensors), self._to_device)
         if not isinstance(tensors, torch.Tensor):
             return tensors
         if self.stream is not None and not tensors.is_pinned():

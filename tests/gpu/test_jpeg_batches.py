@@ -11,7 +11,7 @@ import pytest
 import torch
 from gpu_helpers import MEAN, STD
 from PIL import Image
-from reader_helpers import JPEG_QUALITY, make_images, write_dataset
+from reader_helpers import jpeg_bytes, make_images, write_dataset
 
 from reader import CUDAPrefetcher, PackedDataset, make_loader
 from reader.gpu import jpeg_batches
@@ -19,12 +19,6 @@ from reader.gpu.jpeg_batches import decode_jpegs
 from reader.list_batches import is_encoded
 
 SIZES = [(24, 32), (30, 20), (16, 16), (28, 36)]
-
-
-def jpeg_bytes(image: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(image).save(buf, "JPEG", quality=JPEG_QUALITY)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
