@@ -219,9 +219,12 @@ class CUDAPrefetcher(EpochCursor):
                 yield ready
             self._mark(epoch + 1, 0)
         finally:
-            closing = sys.exc_info()[1]
+            # The exception's class only: a frame holding the exception would be a cycle (exception,
+            # traceback, this frame) keeping the prefetcher and the loader's workers alive until the
+            # collector runs, which closes their queues before the DataLoader can stop its workers.
+            closed_by = sys.exc_info()[0]
             if pending is not None:
-                if closing is None or isinstance(closing, GeneratorExit):
+                if closed_by is None or closed_by is GeneratorExit:
                     pending.settle()  # nothing is made after the loop ends
                 pending.drop()
                 if self._in_flight is pending:

@@ -92,11 +92,14 @@ def test_cuda_kernel_time_counts_as_compute() -> None:
     assert summary.wait_share < 0.3, "asynchronous GPU work is attributed to the step that queued it"
 
 
+AUGMENT_SLEEP_S = 0.1  # long beside a loaded machine's thread hand-over (a few ms a batch under 16 xdist workers)
+
+
 class SlowAugment(BatchAugment):
-    """A CPU augmentation that takes ``SLEEP_S`` a batch (heavy crops on big images, say)."""
+    """A CPU augmentation that takes ``AUGMENT_SLEEP_S`` a batch (heavy crops on big images, say)."""
 
     def __call__(self, images, generator=None):  # type: ignore[no-untyped-def]
-        time.sleep(SLEEP_S)
+        time.sleep(AUGMENT_SLEEP_S)
         return super().__call__(images, generator)
 
 
@@ -108,7 +111,7 @@ def test_a_prefetchers_cpu_augmentation_is_preparation_not_loader_wait() -> None
     for _ in timer.wrap(prefetcher):
         pass
     summary = timer.summary()
-    assert summary.steps == 5 and summary.preparing_s >= 4 * SLEEP_S * 0.9
+    assert summary.steps == 5 and summary.preparing_s >= 4 * AUGMENT_SLEEP_S * 0.9
     assert summary.preparing_share > 0.7 and summary.wait_share < 0.3 and not summary.loader_bound
     report = summary.report()
     assert "hint: the loader is the bottleneck" not in report
