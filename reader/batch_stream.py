@@ -41,6 +41,7 @@ from torch.utils.data import Sampler
 
 from reader.arguments import whole_number
 from reader.sampler import ShardSampler
+from reader.streamed_blocks import StreamPosition
 
 TABLE_LEAD = 2  # lookaheads between a batch's ``read_tables`` and its ``advise`` (module docstring)
 
@@ -52,7 +53,9 @@ class BatchStream(Sampler[list[int]]):
     has no batch at all, since every later pass would be empty too. ``len()`` is the number of batches
     in the sampler's whole epoch, those already yielded before a resume included (``batches_done``);
     an iteration yields the ``batches_left`` (``ShardSampler``'s module docstring says why). ``advise`` (called with a
-    batch's indices as a numpy array and the number of its pass in this ``endless()``: 0, 1, ...) sees
+    batch's indices as a numpy array and its ``StreamPosition``: its number in this ``endless()``, its
+    pass's, and how many batches the DataLoader has received, given that it holds ``in_flight`` batches
+    beyond those (``reader.streamed_blocks``)) sees
     every batch of ``endless()`` ``ceil(lookahead / batch_size)`` batches before it is yielded, and
     ``read_tables`` (called with a batch's indices) ``TABLE_LEAD`` times as many batches before that
     (see the module docstring).
@@ -68,9 +71,10 @@ class BatchStream(Sampler[list[int]]):
         batch_size: int,
         drop_last: bool,
         *,
-        advise: Callable[[np.ndarray, int], None] | None = None,
+        advise: Callable[[np.ndarray, StreamPosition], None] | None = None,
         read_tables: Callable[[np.ndarray], None] | None = None,
         lookahead: int = 0,
+        in_flight: int = 0,
     ) -> None:
         if not isinstance(sampler, ShardSampler):
             raise TypeError(
@@ -81,6 +85,8 @@ class BatchStream(Sampler[list[int]]):
         batch_size = whole_number("batch_size", batch_size, 1)
         if lookahead < 0:
             raise ValueError(f"lookahead must be 0 or more samples, got {lookahead}")
+        if in_flight < 0:
+            raise ValueError(f"in_flight must be 0 or more batches, got {in_flight}")
         self.sampler = sampler
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -88,6 +94,7 @@ class BatchStream(Sampler[list[int]]):
         self.advise = advise
         self.read_tables = read_tables
         self.lookahead_batches = -(-lookahead // batch_size) if advise is not None else 0
+        self.in_flight = in_flight
 
     def __len__(self) -> int:
         return self.batches_done() + self.batches_left()
@@ -126,10 +133,13 @@ class BatchStream(Sampler[list[int]]):
         tables_lead = TABLE_LEAD * self.lookahead_batches if self.read_tables is not None else 0
         coming: deque[tuple[int, np.ndarray]] = deque()  # tables asked for, not advised yet
         ahead: deque[np.ndarray] = deque()  # advised, not yielded yet
+        advised = yielded = 0
 
         def advise_next() -> None:
+            nonlocal advised
             number, batch = coming.popleft()
-            advise(batch, number)
+            advise(batch, StreamPosition(advised, number, max(0, yielded - max(self.in_flight, 1) + 1)))
+            advised += 1
             ahead.append(batch)
 
         for number, batch in batches:
@@ -140,10 +150,12 @@ class BatchStream(Sampler[list[int]]):
                 advise_next()
                 if len(ahead) > self.lookahead_batches:
                     yield ahead.popleft().tolist()
+                    yielded += 1
         while coming:
             advise_next()
         while ahead:
             yield ahead.popleft().tolist()
+            yielded += 1
 
     def _batches(self) -> Iterator[tuple[int, np.ndarray]]:
         """The stream's batches as index arrays, pass after pass, each with its pass's number."""

@@ -44,6 +44,7 @@ from reader.format.shard_files import check_shard_file
 from reader.record_columns import RecordColumns
 from reader.record_fields import RecordFields
 from reader.shard_io import DEFAULT_MAX_GAP, ReadRequest, ShardFiles
+from reader.streamed_blocks import StreamedBlocks, StreamPosition
 
 Images = torch.Tensor | list[torch.Tensor]
 Indices = Sequence[int] | np.ndarray  # record indices, as a list or an int array
@@ -292,21 +293,24 @@ class PackedDataset(Dataset):
             return self._read_stored(idx, allocate)
         return self._read_decoded(idx, allocate)
 
-    def advise(self, indices: Indices, seen: set[int] | None = None) -> None:
+    def advise(self, indices: Indices, streamed: StreamedBlocks | None = None,
+               at: StreamPosition | None = None) -> None:
         """Start reading, in the background, the whole read-ahead blocks that hold these records.
 
         Called with the records of a batch still ahead in the order (``reader.batch_stream``), so the
         disk reads them while the current batches are decoded. It does nothing with read-ahead off,
         for records scattered over many blocks (random order), or for blocks this process advised
-        before, or that are in ``seen`` (the caller's blocks of this pass, when it streams the dataset:
-        ``ShardFiles.advise``). It waits for the disk only to read the record tables of shards this
-        process has not read yet (``read_tables_ahead`` starts those reads earlier).
+        before. When the caller streams the dataset, ``streamed`` and ``at`` (its blocks in use and the
+        stream's position, ``reader.streamed_blocks``) make it advise each block once a pass and drop
+        the blocks the received batches are done with (``ShardFiles.advise``). It waits for the disk
+        only to read the record tables of shards this process has not read yet (``read_tables_ahead``
+        starts those reads earlier).
         """
         if not self.readahead:
             return
         idx = self._checked_indices(indices)
         records = self._records
-        self._files.advise(self._shard_of(idx), records.offsets[idx], records.nbytes[idx], seen)
+        self._files.advise(self._shard_of(idx), records.offsets[idx], records.nbytes[idx], streamed, at)
 
     def read_tables_ahead(self, indices: Indices) -> None:
         """Start reading, in the background, the record tables of the shards of records ``indices`` that

@@ -302,12 +302,12 @@ def make_loader(
     advise = view.advise if workers > 0 and view.readahead else None
     view.streaming = advise is not None and view.shard_bytes() > page_cache_budget()
     prefetch = (2 if prefetch_factor is None else prefetch_factor) if workers > 0 else None
-    in_flight = workers * (prefetch or 0) * batch_size
-    lookahead = lookahead_samples(view, buffer_blocks, in_flight) if advise else 0
+    in_flight = workers * (prefetch or 0)  # batches the DataLoader's workers hold beyond those received
+    lookahead = lookahead_samples(view, buffer_blocks, in_flight * batch_size) if advise else 0
     return PackedLoader(
         view,
         batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead,
-                                  read_tables=view.read_tables_ahead if advise else None),
+                                  read_tables=view.read_tables_ahead if advise else None, in_flight=in_flight),
         collate_fn=hand_over,
         worker_init_fn=functools.partial(start_worker, batch_nbytes=view.batch_nbytes(batch_size)),
         num_workers=workers,

@@ -26,6 +26,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 from reader.batch_memory import new_batch
 from reader.dataset import Images, Indices, PackedDataset
 from reader.epoch_order import BlockGroups
+from reader.streamed_blocks import StreamedBlocks, StreamPosition
 
 
 class PackedView(Dataset):
@@ -52,8 +53,8 @@ class PackedView(Dataset):
         # per position: [part, record]; None for a whole single part (the identity: nothing per record)
         self._located = None if record_of is None else torch.from_numpy(np.stack([part_of, record_of]))
         self.streaming = False
-        self._pass: int | None = None
-        self._seen: dict[int, set[int]] = {}  # per part, the blocks advised in this pass (streaming)
+        self._streamed: dict[int, StreamedBlocks] = {}  # per part, its blocks in use (streaming)
+        self._last_advised = -1  # the stream batch last advised (a lower one: a new stream)
 
     def __getstate__(self) -> dict:
         """Everything but ``source`` (the given dataset; a ``Subset``'s index list is O(records)): a
@@ -62,7 +63,7 @@ class PackedView(Dataset):
         The worker's copy has ``source`` None, and none of the main process's advice memory."""
         if self._located is not None and not self._located.is_shared():
             self._located.share_memory_()
-        return {**self.__dict__, "source": None, "_pass": None, "_seen": {}}
+        return {**self.__dict__, "source": None, "_streamed": {}, "_last_advised": -1}
 
     def __len__(self) -> int:
         return self._length
@@ -189,14 +190,24 @@ class PackedView(Dataset):
             labels[members] = part_labels
         return _gathered([(members, images) for members, images, _ in pieces], len(records)), labels
 
-    def advise(self, positions: Indices, pass_number: int = 0) -> None:
-        """``PackedDataset.advise`` for each part's records among ``positions``, which lie in pass
-        ``pass_number`` of the loader's order. A ``streaming`` view remembers the blocks it advised only
-        for the current pass (``reader.shard_io``, "Streaming"); otherwise each part remembers them."""
-        if self.streaming and pass_number != self._pass:
-            self._pass, self._seen = pass_number, {}
-        for k, records in self._reading_ahead(positions):
-            self.parts[k].advise(records, self._seen.setdefault(k, set()) if self.streaming else None)
+    def advise(self, positions: Indices, at: StreamPosition | None = None) -> None:
+        """``PackedDataset.advise`` for each part's records among ``positions``, the batch ``at`` of the
+        loader's stream. A ``streaming`` view keeps each part's blocks in use (``reader.streamed_blocks``)
+        over one stream (a batch numbered lower than the last starts a new one), and drops, in every
+        part, the blocks the received batches are done with; otherwise each part remembers what it
+        advised."""
+        if not self.streaming or at is None:
+            for k, records in self._reading_ahead(positions):
+                self.parts[k].advise(records)
+            return
+        if at.batch <= self._last_advised:
+            self._streamed = {}
+        self._last_advised = at.batch
+        reading = dict(self._reading_ahead(positions))
+        for k, part in enumerate(self.parts):
+            if k in reading or k in self._streamed:
+                streamed = self._streamed.setdefault(k, StreamedBlocks())
+                part.advise(reading.get(k, np.zeros(0, np.int64)), streamed, at)
 
     def read_tables_ahead(self, positions: Indices) -> None:
         """``PackedDataset.read_tables_ahead`` for each part's records among ``positions``."""

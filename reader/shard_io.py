@@ -32,19 +32,22 @@ decides, ``reader.loader``): every epoch reads it from the disk again, and the p
 read crowd out the blocks read ahead. Under a memory cgroup the kernel then cuts read-ahead short
 (its allocations give up rather than reclaim) and evicts advised blocks before they are read: measured
 on a 1.2 GB set under a 1000 MB cap, 1.8x the payload's bytes in IOs of 220-400 KiB, about 2x the
-disk's time. So with ``drop_behind`` a worker drops the whole pages of each record it has read
-(``POSIX_FADV_DONTNEED``: each record is read once an epoch) and leaves the reading ahead to the main
-process, whose advice for a block is then remembered only for the current pass of the order (the
-caller's ``seen`` set): a block advised again once some of its records are dropped would read them
-again for nothing.
+disk's time. So the pages of what was read are dropped (``POSIX_FADV_DONTNEED``: each record is read
+once an epoch), and the reading ahead is left to the main process, which advises each block once a
+pass. Who drops what:
 
-Small records are not dropped (``DROP_MIN_RECORD_BYTES``). Measured on Linux 6.18, a 1.4 GB set of
-15 KB JPEGs under a 1,500 MB cap: 680-700 img/s with the drops (the disk at its 200 IOPS in IOs of about
-100 KB, both cores half in the kernel, the workers in uninterruptible waits), 3,060 img/s without them
-(1.17x the payloads read, in IOs of 350 KB); the 1.2 GB raw set of 150 KB records under a 1,000 MB
-cap: 587-593 img/s with its drops, 521 without. The likely cause: the kernel caches read-ahead in large
-folios of many pages (ext4 since Linux 6.16), and dropping the few pages inside a small record splits
-one, under its lock, while the advice reading the next blocks waits for it.
+- A batch gathered in a few blocks (quasi-random order): the main process drops each whole block once
+  every batch reading it is received, and keeps a block the next pass advises while this one still reads
+  it (``reader.streamed_blocks`` says why and how it knows).
+- A batch scattered over many blocks (random order), which nobody advises: the worker that read it drops
+  its records (``drop_behind``), except small ones (``DROP_MIN_RECORD_BYTES``). Measured on Linux 6.18,
+  when workers dropped the records of every batch: a 1.4 GB set of 15 KB JPEGs under a 1,500 MB cap read
+  at 680-700 img/s with the drops (the disk at its 200 IOPS in IOs of about 100 KB, both cores half in
+  the kernel, the workers in uninterruptible waits), 3,060 img/s without them; the 1.2 GB raw set of
+  150 KB records under a 1,000 MB cap: 587-593 img/s with its drops, 521 without. The likely cause: the
+  kernel caches read-ahead in large folios of many pages (ext4 since Linux 6.16), and dropping the few
+  pages inside a small record splits one, under its lock, while the advice reading the next blocks
+  waits for it. A whole block's drop frees whole folios.
 
 File descriptors are opened lazily and belong to the process that opened them: after a ``fork`` the
 child opens its own (a ``spawn`` worker opens the dataset again: ``PackedDataset.__getstate__``).
@@ -81,6 +84,7 @@ import numpy as np
 from reader.format import FileIdentity, FormatError
 from reader.format.shard_files import check_identity, open_checked
 from reader.mapped_copy import GUARDED, MappedFile
+from reader.streamed_blocks import StreamedBlocks, StreamPosition
 
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -93,8 +97,8 @@ MAX_READAHEAD_BLOCKS = 32
 # blocks are advised in pieces no longer than that; this is used where sysfs does not tell.
 FALLBACK_ADVICE_BYTES = 512 << 10
 MAX_ADVICE_BYTES = 2 << 20
-# A streaming read drops the pages of records this long or longer, on average over a shard's part of a
-# batch (module doc, "Streaming").
+# A streaming worker drops the records of a scattered batch it read only when they are this long or
+# longer, on average over a shard's part of the batch (module doc, "Streaming").
 DROP_MIN_RECORD_BYTES = 64 << 10
 # Per dataset and process: shards open at once (each one descriptor, two while mapped: Python's mmap
 # keeps a dup), at least a quasi-random window's (16 blocks, so at most 16 shards); and the largest
@@ -165,7 +169,8 @@ class ShardFiles:
     batch's blocks in every shard are found with a few array operations instead of a loop over shards.
 
     ``drop_behind`` (set in the workers of a loader that streams the dataset: module doc): ``read``
-    drops the pages of the records it read and does not read blocks ahead itself.
+    does not read blocks ahead itself, and drops the pages of the records it read where the main
+    process does not drop their blocks (a batch scattered over many blocks: random order).
     """
 
     def __init__(
@@ -195,7 +200,7 @@ class ShardFiles:
         self._map_shards = GUARDED and len(paths) <= MAX_OPEN_SHARDS and \
             sum(identity.size for identity in identities) <= MAX_MAPPED_BYTES
         self._advice_bytes: dict[int, int] = {}
-        self._advised: set[int] = set()  # global blocks this process advised (without a caller's ``seen``)
+        self._advised: set[int] = set()  # global blocks this process advised (not streamed)
         self.drop_behind = False
         self._nowait = True
         self._gap = memoryview(bytearray(0))
@@ -257,8 +262,16 @@ class ShardFiles:
                 self._read_ahead(shard, fd, pending)
         for run in pending:
             self._read_run(shard, fd, run)
-        if self.drop_behind and request.nbytes.mean() >= DROP_MIN_RECORD_BYTES:
+        if self.drop_behind and request.nbytes.mean() >= DROP_MIN_RECORD_BYTES and self._scattered(shard, request):
             _drop_pages(fd, request)
+
+    def _scattered(self, shard: int, request: ReadRequest) -> bool:
+        """Whether the main process leaves ``request``'s records out of its advice (no block bounds, or
+        over ``MAX_READAHEAD_BLOCKS`` blocks: random order), so that a streaming worker drops them itself."""
+        if self.block_layout is None or not self._bounds_known[shard]:
+            return True
+        ends = request.offsets + request.nbytes
+        return len(self._touched_blocks(np.full(len(ends), shard), request.offsets, ends)) > MAX_READAHEAD_BLOCKS
 
     def _runs(self, request: ReadRequest) -> list[_Run]:
         """The request's records in file order, cut into runs at holes over ``max_gap`` or ``IOV_MAX``."""
@@ -334,17 +347,24 @@ class ShardFiles:
         return run.done >= run.total
 
     def advise(self, shards: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray,
-               seen: set[int] | None = None) -> None:
+               streamed: StreamedBlocks | None = None, at: StreamPosition | None = None) -> None:
         """Start reading, in the background, the whole blocks that hold these records (record ``k`` is
         ``nbytes[k]`` bytes at ``offsets[k]`` of shard file ``shards[k]``).
 
         For a process that knows which records come next (the loader's main process): the disk then
         reads the next blocks while the current ones are decoded. Nothing happens without block
         boundaries or for a shard whose records here are scattered over more than
-        ``MAX_READAHEAD_BLOCKS`` blocks. A block is advised once: once per process, so the many batches
-        drawing from the same blocks, and warm epochs, make no system call; or, given ``seen`` (the
-        blocks the caller advised in this pass of a streamed order; updated here), once per pass.
+        ``MAX_READAHEAD_BLOCKS`` blocks. A block is advised once per process, so the many batches
+        drawing from the same blocks, and warm epochs, make no system call.
+
+        A streamed dataset (``streamed``, its blocks in use, and ``at``, the stream's position: the
+        module doc, "Streaming", and ``reader.streamed_blocks``): first the blocks that every received
+        batch has done with are dropped, then each block a batch of this pass reads is advised once a
+        pass, cleared first unless an earlier pass still reads it.
         """
+        if streamed is not None and at is not None:
+            for block in streamed.finished(at.received):
+                self._drop_block(block)
         known = self._bounds_known[shards]
         if not known.all():
             shards, offsets, nbytes = shards[known], offsets[known], nbytes[known]
@@ -353,13 +373,19 @@ class ShardFiles:
         blocks = self._touched_blocks(shards, offsets, offsets + nbytes)
         shard_of = np.searchsorted(self._first_block, blocks, "right") - 1
         gathered = np.bincount(shard_of)[shard_of] <= MAX_READAHEAD_BLOCKS
-        advised = self._advised if seen is None else seen
-        fresh = [(shard, block) for shard, block in zip(shard_of[gathered].tolist(), blocks[gathered].tolist())
-                 if block not in advised]
-        advised.update(block for _, block in fresh)
-        for shard in sorted({shard for shard, _ in fresh}):
-            self._advise_blocks(shard, self._shard(shard).fd, [block for s, block in fresh if s == shard],
-                                clear=seen is not None)
+        shard_of, blocks = shard_of[gathered].tolist(), blocks[gathered].tolist()
+        if streamed is not None and at is not None:
+            cleared, kept = streamed.touch(blocks, at)
+            fresh = [(block, True) for block in cleared] + [(block, False) for block in kept]
+        else:
+            fresh = [(block, False) for block in blocks if block not in self._advised]
+            self._advised.update(block for block, _ in fresh)
+        shard_of_block = dict(zip(blocks, shard_of))
+        for shard in sorted({shard_of_block[block] for block, _ in fresh}):
+            for clear in (True, False):
+                chosen = [block for block, cleared in fresh if cleared == clear and shard_of_block[block] == shard]
+                if chosen:
+                    self._advise_blocks(shard, self._shard(shard).fd, sorted(chosen), clear=clear)
 
     def advise_bytes(self, shard: int, offset: int, nbytes: int) -> None:
         """Start reading, in the background, ``nbytes`` bytes at ``offset`` of shard ``shard`` (a record
@@ -400,13 +426,11 @@ class ShardFiles:
         every page present, so those pages, one per record, would turn the block's read into one
         disk request per record.
         """
-        origin = int(self._shard_origin[shard])
         piece = self._advice_piece(shard, fd)
         with _advice_lock(fd):
             try:
                 for block in blocks:
-                    start = int(self._block_starts[block]) - origin
-                    end = min(int(self._block_starts[block + 1]) - origin, self._blocks_end[shard])
+                    start, end = self._block_range(shard, block)
                     if end <= start:  # an empty block (and a length of 0 would mean "to the file's end")
                         continue
                     if clear:
@@ -415,6 +439,24 @@ class ShardFiles:
                         os.posix_fadvise(fd, offset, min(piece, end - offset), os.POSIX_FADV_WILLNEED)
             except OSError:
                 return
+
+    def _block_range(self, shard: int, block: int) -> tuple[int, int]:
+        """Where global block ``block`` of shard ``shard`` lies in its file: ``(start, end)``, ending at
+        the shard's last record (an empty block has ``end <= start``)."""
+        origin = int(self._shard_origin[shard])
+        start = int(self._block_starts[block]) - origin
+        return start, min(int(self._block_starts[block + 1]) - origin, self._blocks_end[shard])
+
+    def _drop_block(self, block: int) -> None:
+        """Drop global block ``block``'s pages from the page cache (a streamed pass is done with it)."""
+        shard = int(np.searchsorted(self._first_block, block, "right") - 1)
+        start, end = self._block_range(shard, block)
+        if end <= start:  # (a length of 0 would mean "to the file's end")
+            return
+        try:
+            os.posix_fadvise(self._shard(shard).fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            return
 
     def _advice_piece(self, shard: int, fd: int) -> int:
         piece = self._advice_bytes.get(shard)

@@ -13,6 +13,7 @@ from reader import PackedDataset, make_loader
 from reader.batch_stream import TABLE_LEAD, BatchStream
 from reader.loader import LOOKAHEAD_WINDOWS, lookahead_samples
 from reader.sampler import ShardSampler
+from reader.streamed_blocks import StreamPosition
 
 BATCH = 4
 
@@ -21,18 +22,22 @@ class Stream:
     """A quasi-random BatchStream over the dataset and the (step, indices) of every advise call, where
     step is how many batches the stream had yielded when the call came."""
 
-    def __init__(self, path: Path, lookahead: int, drop_last: bool = False) -> None:
+    def __init__(self, path: Path, lookahead: int, drop_last: bool = False, in_flight: int = 0) -> None:
         self.sampler = ShardSampler(PackedDataset(path), seed=3, buffer_blocks=2)
         self.calls: list[tuple[int, list[int]]] = []
         self.yielded = 0
         self.stream = BatchStream(self.sampler, BATCH, drop_last, advise=self.advise,
-                                  lookahead=lookahead)
-        self.passes: list[int] = []
+                                  lookahead=lookahead, in_flight=in_flight)
+        self.positions: list[StreamPosition] = []
 
-    def advise(self, indices: np.ndarray, number: int) -> None:
+    @property
+    def passes(self) -> list[int]:
+        return [at.pass_number for at in self.positions]
+
+    def advise(self, indices: np.ndarray, at: StreamPosition) -> None:
         assert isinstance(indices, np.ndarray)
         self.calls.append((self.yielded, indices.tolist()))
-        self.passes.append(number)
+        self.positions.append(at)
 
     def take(self, n: int) -> list[list[int]]:
         batches = []
@@ -94,6 +99,21 @@ def test_advice_names_each_batch_s_pass(raw_path):
     per_pass = -(-len(stream.sampler) // BATCH)
     stream.take(2 * per_pass + 3)
     assert stream.passes[:3 * per_pass] == [0] * per_pass + [1] * per_pass + [2] * min(per_pass, 4)
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_advice_says_which_batches_the_loader_has_received(raw_path, in_flight):
+    """Each advised batch carries its number in the stream, and how many batches a DataLoader holding
+    ``in_flight`` batches beyond those received has received: when the stream hands out its batch ``n``,
+    batches ``0 .. n - in_flight`` (``reader.streamed_blocks``)."""
+    stream = Stream(raw_path, lookahead=2 * BATCH, in_flight=in_flight)
+    stream.take(20)
+    assert [at.batch for at in stream.positions] == list(range(len(stream.positions)))
+    for (yielded, _), at in zip(stream.calls, stream.positions):
+        assert at.received == max(0, yielded - in_flight + 1)
+        assert at.received <= yielded
+    with pytest.raises(ValueError, match="in_flight"):
+        BatchStream(stream.sampler, BATCH, False, in_flight=-1)
 
 
 def test_without_advise_or_lookahead_nothing_is_called(raw_path):
