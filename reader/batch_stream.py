@@ -126,7 +126,7 @@ class BatchStream(Sampler[list[int]]):
         read further ahead (module docstring)."""
         batches = self._batches()
         advise = self.advise
-        if not self.lookahead_batches or advise is None:
+        if advise is None:
             for _, batch in batches:
                 yield batch.tolist()
             return

@@ -17,6 +17,7 @@ dataset goes through a plain ``DataLoader``, since ``PackedDataset`` follows tor
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -200,14 +201,23 @@ class PackedView(Dataset):
             for k, records in self._reading_ahead(positions):
                 self.parts[k].advise(records)
             return
-        if at.batch <= self._last_advised:
-            self._streamed = {}
+        if at.batch <= self._last_advised:  # a new stream: the DataLoader's workers were reset
+            self._forget_stream()
         self._last_advised = at.batch
         reading = dict(self._reading_ahead(positions))
         for k, part in enumerate(self.parts):
             if k in reading or k in self._streamed:
                 streamed = self._streamed.setdefault(k, StreamedBlocks())
                 part.advise(reading.get(k, np.zeros(0, np.int64)), streamed, at)
+
+    def _forget_stream(self) -> None:
+        """Drop the blocks the last stream still held and start new ledgers. Safe: a DataLoader resets
+        its workers only once each has finished every task it had (torch's persistent workers
+        acknowledge the reset after their queued batches), so the last stream's batches are all in."""
+        everything = StreamPosition(batch=self._last_advised, pass_number=-1, received=sys.maxsize)
+        for k, streamed in self._streamed.items():
+            self.parts[k].advise(np.zeros(0, np.int64), streamed, everything)
+        self._streamed = {}
 
     def read_tables_ahead(self, positions: Indices) -> None:
         """``PackedDataset.read_tables_ahead`` for each part's records among ``positions``."""
@@ -221,8 +231,9 @@ class PackedView(Dataset):
                 for k in np.unique(part_of).tolist() if getattr(self.parts[k], "readahead", False)]
 
     def enter_worker(self) -> None:
-        """In a loader's worker process: a ``streaming`` view's parts drop the pages they read
-        (``PackedDataset.drop_behind``), the worker's own copies only."""
+        """In a loader's worker process: a ``streaming`` view's parts read nothing ahead and drop the
+        pages of the scattered batches they read (``PackedDataset.drop_behind``), the worker's own
+        copies only."""
         if self.streaming:
             for part in self.parts:
                 part.drop_behind = True

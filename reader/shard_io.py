@@ -76,6 +76,7 @@ import os
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import Iterator
 
@@ -376,16 +377,14 @@ class ShardFiles:
         shard_of, blocks = shard_of[gathered].tolist(), blocks[gathered].tolist()
         if streamed is not None and at is not None:
             cleared, kept = streamed.touch(blocks, at)
-            fresh = [(block, True) for block in cleared] + [(block, False) for block in kept]
+            fresh = sorted([(block, True) for block in cleared] + [(block, False) for block in kept])
         else:
             fresh = [(block, False) for block in blocks if block not in self._advised]
             self._advised.update(block for block, _ in fresh)
         shard_of_block = dict(zip(blocks, shard_of))
-        for shard in sorted({shard_of_block[block] for block, _ in fresh}):
-            for clear in (True, False):
-                chosen = [block for block, cleared in fresh if cleared == clear and shard_of_block[block] == shard]
-                if chosen:
-                    self._advise_blocks(shard, self._shard(shard).fd, sorted(chosen), clear=clear)
+        # in file order (blocks are numbered so), one call per run of blocks of one shard and one kind
+        for (shard, clear), run in groupby(fresh, lambda item: (shard_of_block[item[0]], item[1])):
+            self._advise_blocks(shard, self._shard(shard).fd, [block for block, _ in run], clear=clear)
 
     def advise_bytes(self, shard: int, offset: int, nbytes: int) -> None:
         """Start reading, in the background, ``nbytes`` bytes at ``offset`` of shard ``shard`` (a record

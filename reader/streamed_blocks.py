@@ -23,7 +23,10 @@ When a batch is received: the DataLoader gives its workers at most ``in_flight``
 prefetch factor) beyond those its loop has taken, and asks the batch sampler for the next only after
 taking one, in order. So when ``BatchStream`` hands out its batch number ``n``, batches ``0 .. n -
 in_flight`` have been received (``StreamPosition.received``). A wrong count would only drop pages early
-(records read again from the disk) or late (kept longer): never a wrong batch.
+(records read again from the disk) or late (kept longer): never a wrong batch. When the DataLoader's
+workers are reset (a loop cut short, a resume), its new stream starts again at batch 0, and the blocks
+the last stream still held are dropped (``PackedView``): torch's persistent workers acknowledge a reset
+only after the tasks queued before it, so the last stream's batches are all in.
 """
 from __future__ import annotations
 

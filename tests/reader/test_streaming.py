@@ -21,6 +21,7 @@ import reader.mapped_copy
 import reader.shard_io
 from reader import PackedDataset, make_loader
 from reader.loader import LOOKAHEAD_WINDOWS, lookahead_samples
+from reader.packed_view import PackedView
 from reader.shard_io import MAX_READAHEAD_BLOCKS
 from reader.streamed_blocks import StreamedBlocks, StreamPosition
 
@@ -244,8 +245,10 @@ def dropped_as_received(ds: PackedDataset) -> tuple[bool, list[int], list[int]]:
     return loader.view.streaming, indices, found
 
 
-def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypatch):
-    """The main process of a streaming loader drops each block once every batch reading it is received;
+@pytest.mark.parametrize("budget_share", [0.5, 0.0], ids=["lookahead", "no-lookahead"])
+def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypatch, budget_share):
+    """The main process of a streaming loader drops each block once every batch reading it is received,
+    also when its budget leaves no room to advise ahead (each batch then advised as it is handed out);
     a loader over a dataset that fits keeps it."""
     ds = blocks_of(packed.path, RECORDS_PER_BLOCK)
     assert ds.block_starts().size == COUNT // RECORDS_PER_BLOCK
@@ -253,7 +256,7 @@ def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypa
     streaming, indices, found = dropped_as_received(ds)
     assert not streaming and indices == list(range(COUNT))
     assert len(found) > 20  # every block checked, in every batch after it, was there
-    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: ds.manifest.total_bytes // 2)
+    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: int(ds.manifest.total_bytes * budget_share) or 4)
     streaming, indices, found = dropped_as_received(ds)
     assert streaming and indices == list(range(COUNT))
     # The kernel may read a page or two back around a later block's advice (large folios), so allow two.
@@ -274,3 +277,21 @@ def test_a_streamed_loader_advises_within_half_the_budget(packed, monkeypatch):
     assert loader.batch_sampler.lookahead_batches == -(-min(unbounded, room) // 4)
     monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: 4)
     assert make_loader(ds, 4, num_workers=2, buffer_blocks=2).batch_sampler.lookahead_batches == 0
+
+
+def test_a_new_stream_drops_the_blocks_the_last_one_held(packed, monkeypatch):
+    """The DataLoader's workers reset (a loop cut short, a resume): the last stream's batches are all in
+    by then, so the blocks it still held are dropped, not left to crowd the cache."""
+    ds = blocks_of(packed.path, 5)
+    ds.targets
+    bounds = ds._files._block_starts
+    view = PackedView(ds)
+    view.streaming = True
+    disk = FadviseLog(monkeypatch)
+    view.advise(np.array([6, 12]), StreamPosition(0, 0, 0))  # blocks 1 and 2
+    view.advise(np.array([27]), StreamPosition(1, 0, 0))  # block 5
+    assert len(disk.of(os.POSIX_FADV_DONTNEED)) == 3  # each cleared before its advice
+    view.advise(np.array([41]), StreamPosition(0, 0, 0))  # a new stream: block 8
+    dropped = disk.of(os.POSIX_FADV_DONTNEED)[3:]
+    assert sorted(dropped)[:3] == [(int(bounds[k]), int(bounds[k + 1] - bounds[k])) for k in (1, 2, 5)]
+    assert dropped[3] == (int(bounds[8]), int(bounds[9] - bounds[8]))  # the new stream's block, cleared
