@@ -18,6 +18,9 @@ Reported per run: img/s, seconds, the first batch's wait, what the disk served (
 mean size of its IOs: the blkio cgroup's ``blkio.throttle.io_service_bytes`` / ``io_serviced`` for
 the slow disk's device, before and after), MB/s, and the epoch's time against the *payload bound*:
 the payload bytes at the rate ``cat`` measured (``1.00x`` = the disk streamed nothing but payloads).
+For a JPEG set also the *decode bound*, the other physical limit, measured in the same run: the set's
+records at the rate its loader's number of processes decode them alone (the first 3,000 payloads, each
+process decoding them all with the reader's decoder into one reused buffer, page cache warm).
 Prints a markdown table; ``--json`` also writes the rows.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 BATCH = 256  # as bench_ffcv's loaders
+WORKERS = 2  # each reader's loader processes (FFCV: threads)
 BLKIO = Path("/sys/fs/cgroup/blkio/slowdisk")
 HERE = Path(__file__).resolve()
 SLOWDISK = os.environ.get("SLOWDISK", str(HERE.parents[2] / "shared" / "tools" / "slowdisk"))  # beside the checkout
@@ -104,6 +108,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"{label}: payload {payload / 1e6:,.1f} MB, shards {shard_bytes / 1e6:,.1f} MB "
               f"({shard_bytes / payload:.3f}x); cat cold {seconds:.2f} s = {rate / 1e6:.1f} MB/s "
               f"({ios} IOs of {nbytes / max(ios, 1) / 1024:.0f} KiB); payload bound {bound:.2f} s", flush=True)
+        decoding = _decode_bound(dataset)
         readers = [(f"{label}", sys.executable, None)]
         if args.before:
             readers.append((f"{label} before", sys.executable, args.before))
@@ -112,7 +117,8 @@ def run(args: argparse.Namespace) -> None:
                 env_path = checkout or str(HERE.parents[1])
                 command = ["env", f"PYTHONPATH={env_path}", python, str(HERE), "read", str(dataset),
                            "--order", order, "--epochs", str(args.epochs)]
-                rows.extend(_row(f"{name}, {order}", command, device, args.mem, payload, shard_bytes, rate, len(files)))
+                rows.extend(_row(f"{name}, {order}", command, device, args.mem, payload, shard_bytes, rate, len(files),
+                                 decoding))
     if args.ffcv:
         beton = Path(args.ffcv)
         size = beton.stat().st_size
@@ -127,17 +133,68 @@ def run(args: argparse.Namespace) -> None:
             rows.extend(_row(f"FFCV 1.0.2, {FFCV_ORDERS[order]}", command, device, args.mem, size, size,
                              size / seconds, 1))
     print("\n| reader, order | epoch | img/s | s | first batch s | read MB | IOs | mean IO KiB | MB/s "
-          "| x payload bound |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| x payload bound | x decode bound |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['name']} | {row['epoch']} | {row['img_s']:,.0f} | {row['seconds']:.2f} | "
               f"{row['first_batch_s']:.2f} | {row['read_mb']} | {row['ios']} | {row['io_kib']} | "
-              f"{row['mb_s']} | {row['x_bound']} |")
+              f"{row['mb_s']} | {row['x_bound']} | {row['x_decode']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
 
+def _decode_bound(dataset: Path) -> float | None:
+    """Seconds the set's records take to decode alone, at the rate ``WORKERS`` processes reach (module
+    docstring); None for a set that stores pixels."""
+    out = subprocess.run([sys.executable, str(HERE), "decode", str(dataset), "--workers", str(WORKERS)],
+                         check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(HERE.parents[1])}).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    if figures is None:
+        return None
+    print(f"  decode alone, {WORKERS} processes: {figures['img_s']:,.0f} img/s; decode bound "
+          f"{figures['records'] / figures['img_s']:.2f} s", flush=True)
+    return figures["records"] / figures["img_s"]
+
+
+def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
+    """``{"img_s", "records"}``: ``workers`` forked processes each decode the set's first ``count`` JPEG
+    payloads with the reader's decoder into one reused buffer, started together; img/s of all of them.
+    None for a set that stores pixels."""
+    import multiprocessing
+
+    import numpy as np
+    import simplejpeg
+
+    from reader import PackedDataset
+    from reader.format import load_manifest
+    from reader.format.jpeg_decode import decode_jpeg_into
+
+    if load_manifest(Path(dataset)).encoding != "jpeg":
+        return None
+    source = PackedDataset(dataset, decode=False)
+    payloads, _ = source.read_batch(np.arange(min(count, len(source))))
+    arrays = [payload.numpy().tobytes() for payload in payloads]
+    sizes = [simplejpeg.decode_jpeg_header(array)[:2] for array in arrays]
+    start = multiprocessing.get_context("fork").Barrier(workers + 1)
+
+    def decode_all() -> None:
+        buffers = {size: np.empty((*size, 3), np.uint8) for size in set(sizes)}
+        start.wait()
+        for array, size in zip(arrays, sizes):
+            decode_jpeg_into(memoryview(array), buffers[size], fast=source.fast_decode)
+
+    processes = [multiprocessing.get_context("fork").Process(target=decode_all) for _ in range(workers)]
+    for process in processes:
+        process.start()
+    start.wait()
+    began = time.perf_counter()
+    for process in processes:
+        process.join()
+    return {"img_s": workers * len(arrays) / (time.perf_counter() - began), "records": len(source)}
+
+
 def _row(name: str, command: list[str], device: str, mem: str | None, payload: int, shard_bytes: int,
-         rate: float, shards: int) -> list[dict]:
+         rate: float, shards: int, decoding: float | None = None) -> list[dict]:
     """Run one reader (all its epochs in one process); the disk counters cover the whole run, so with
     several epochs they are shared out by what each epoch took (shown on the first row)."""
     seconds, nbytes, ios, out = measured(command, device, mem)
@@ -152,7 +209,8 @@ def _row(name: str, command: list[str], device: str, mem: str | None, payload: i
                      "read_mb": f"{nbytes / 1e6:,.0f}" if first else "",
                      "ios": ios if first else "", "io_kib": f"{nbytes / max(ios, 1) / 1024:,.0f}" if first else "",
                      "mb_s": f"{nbytes / sum(e['seconds'] for e in epochs) / 1e6:.0f}" if first else "",
-                     "x_bound": f"{epoch['seconds'] / (payload / rate):.2f}x"})
+                     "x_bound": f"{epoch['seconds'] / (payload / rate):.2f}x",
+                     "x_decode": f"{epoch['seconds'] / decoding:.2f}x" if decoding else ""})
         print(f"  {name} epoch {epoch['epoch']}: {rows[-1]['img_s']:,.0f} img/s, {epoch['seconds']:.2f} s "
               f"({rows[-1]['x_bound']} the payload bound), first batch {epoch['first_batch_s']:.2f} s", flush=True)
     print(f"    disk: {nbytes / 1e6:,.0f} MB in {ios} IOs", flush=True)
@@ -175,17 +233,19 @@ def main() -> None:
                    help="FFCV's orders: random (RANDOM, os_cache), quasi_random (QUASI_RANDOM)")
     p.add_argument("--mem")
     p.add_argument("--json")
-    for name in ("read", "ffcv"):
+    for name in ("read", "ffcv", "decode"):
         p = sub.add_parser(name)
         p.add_argument("path")
         p.add_argument("--order", default="quasi_random")
         p.add_argument("--epochs", type=int, default=1)
-        p.add_argument("--workers", type=int, default=2)
+        p.add_argument("--workers", type=int, default=WORKERS)
     args = parser.parse_args()
     if args.command == "run":
         run(args)
     elif args.command == "read":
         print(json.dumps(read_epochs(args.path, args.order, args.epochs, args.workers)))
+    elif args.command == "decode":
+        print(json.dumps(decode_alone(args.path, args.workers)))
     else:
         from bench_ffcv import run_ffcv
         print(json.dumps(run_ffcv(args.path, args.epochs, args.workers, args.order)))
