@@ -27,6 +27,11 @@ in_flight`` have been received (``StreamPosition.received``). A wrong count woul
 workers are reset (a loop cut short, a resume), its new stream starts again at batch 0, and the blocks
 the last stream still held are dropped (``PackedView``): torch's persistent workers acknowledge a reset
 only after the tasks queued before it, so the last stream's batches are all in.
+
+Each process keeps its own ledger: DDP ranks on one node read disjoint contiguous slices of one order,
+so only the window cut by the edge of two slices has blocks that both read, one rank at the start of
+its epoch and the other at the end. The first drops them when done, and the second reads them again
+(one window a rank an epoch, which a page cache too small for the dataset would not have kept anyway).
 """
 from __future__ import annotations
 
