@@ -191,7 +191,7 @@ class GatedLoader:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_next_returns_while_the_next_batch_is_still_pulled_and_prepared(device: str) -> None:
     """``next()`` hands over batch 0 without waiting for batch 1, whose pull (and on CUDA its copy and
-    conversion) goes on behind it; the consumer's stream waits for batch 0's copy, not the host."""
+    conversion) goes on behind it on the preparing thread."""
     loader = GatedLoader()
     prefetcher = CUDAPrefetcher(loader, MEAN, STD, device=device)
     iterator = iter(prefetcher)
