@@ -271,8 +271,7 @@ class ShardFiles:
         over ``MAX_READAHEAD_BLOCKS`` blocks: random order), so that a streaming worker drops them itself."""
         if self.block_layout is None or not self._bounds_known[shard]:
             return True
-        ends = request.offsets + request.nbytes
-        return len(self._touched_blocks(np.full(len(ends), shard), request.offsets, ends)) > MAX_READAHEAD_BLOCKS
+        return self._gathered_blocks(shard, request.offsets, request.offsets + request.nbytes) is None
 
     def _runs(self, request: ReadRequest) -> list[_Run]:
         """The request's records in file order, cut into runs at holes over ``max_gap`` or ``IOV_MAX``."""
@@ -398,9 +397,15 @@ class ShardFiles:
         """Ask the kernel to read every block that ``pending`` runs touch, unless they are scattered."""
         starts = np.fromiter((run.start + run.done for run in pending), np.int64, len(pending))
         ends = np.fromiter((run.start + run.total for run in pending), np.int64, len(pending))
-        blocks = self._touched_blocks(np.full(len(pending), shard), starts, ends)
-        if len(blocks) <= MAX_READAHEAD_BLOCKS:
-            self._advise_blocks(shard, fd, blocks.tolist())
+        blocks = self._gathered_blocks(shard, starts, ends)
+        if blocks is not None:
+            self._advise_blocks(shard, fd, blocks)
+
+    def _gathered_blocks(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> list[int] | None:
+        """The blocks of shard ``shard`` that its byte ranges ``[starts, ends)`` touch, or None when they
+        are scattered over more than ``MAX_READAHEAD_BLOCKS`` (random order: nobody reads those ahead)."""
+        blocks = self._touched_blocks(np.full(len(starts), shard), starts, ends)
+        return blocks.tolist() if len(blocks) <= MAX_READAHEAD_BLOCKS else None
 
     def _touched_blocks(self, shards: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """The sorted global numbers of the blocks that the byte ranges ``[starts, ends)`` of the shard
