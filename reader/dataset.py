@@ -40,6 +40,7 @@ from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode_threads import DecodeThreads
 from reader.format import MANIFEST_NAME, FormatError, Manifest, encoding, load_manifest, load_shard_table
 from reader.format.fields import SOURCE
+from reader.format.jpeg_decode import STORE_ALIGNMENT, unaligned_start
 from reader.format.shard_files import check_shard_file
 from reader.record_columns import RecordColumns
 from reader.record_fields import RecordFields
@@ -390,13 +391,16 @@ class PackedDataset(Dataset):
         images: Images  # what is returned: CHW views of the HWC ``outputs`` the records decode into
         if self.manifest.shape is not None:
             _, h, w = self.manifest.shape
-            batch = allocate((len(idx), h, w, 3))
+            batch = _decode_target(allocate, len(idx) * h * w * 3).view(len(idx), h, w, 3)
             outputs: np.ndarray | list[np.ndarray] = batch.numpy()
             images = batch.permute(0, 3, 1, 2)
-        else:
+        else:  # images of other sizes, each starting a multiple of STORE_ALIGNMENT past the first
             heights, widths = records.heights[idx].tolist(), records.widths[idx].tolist()
             sizes = [3 * h * w for h, w in zip(heights, widths)]
-            pixels = [part.view(h, w, 3) for part, h, w in zip(allocate((sum(sizes),)).split(sizes), heights, widths)]
+            starts = np.cumsum([0] + [-(-size // STORE_ALIGNMENT) * STORE_ALIGNMENT for size in sizes]).tolist()
+            flat = _decode_target(allocate, starts[-1])
+            pixels = [flat[start:start + size].view(h, w, 3)
+                      for start, size, h, w in zip(starts, sizes, heights, widths)]
             outputs = [image.numpy() for image in pixels]
             images = [image.permute(2, 0, 1) for image in pixels]
         if len(self._scratch) < total:
@@ -449,6 +453,15 @@ class PackedDataset(Dataset):
             ))
             if then is not None:
                 then(members)
+
+
+def _decode_target(allocate: Allocator, nbytes: int) -> torch.Tensor:
+    """``nbytes`` of a new batch buffer for JPEG records to be decoded into, starting where libjpeg-turbo
+    writes with ordinary stores rather than past the cache (``reader.format.jpeg_decode``, "Where the
+    pixels go")."""
+    flat = allocate((nbytes + STORE_ALIGNMENT,))
+    shift = unaligned_start(flat.data_ptr())
+    return flat[shift:shift + nbytes]
 
 
 def _private_batch(shape: tuple[int, ...]) -> torch.Tensor:

@@ -21,11 +21,12 @@ the payload bytes at the rate ``cat`` measured (``1.00x`` = the disk streamed no
 The disk's rate is the faster of ``CAT_ROUNDS`` cold ``cat`` runs: one run was seen 10% slow, which
 flatters every ratio against it. For a JPEG set also the *decode bound*, the other physical limit: the
 set's records at the rate its loader's number of processes decode them alone (the first 3,000 payloads,
-each process decoding them all with the reader's decoder into one reused buffer, page cache warm),
-measured right before and right after each reader's run, the faster of the two kept: a VM's speed moves
-by a quarter within minutes (6,300-9,700 img/s on one day), so a bound taken once can be off for the
-run beside it. ``x bound`` is the epoch against the slower of the two bounds, what the machine allows.
-Prints a markdown table; ``--json`` also writes the rows.
+each process decoding them all with the reader's decoder into one reused buffer, placed as the reader
+places a batch's images; page cache warm), measured right before and right after each reader's run,
+the faster of the two kept: a VM's speed moves by a quarter within an hour (6,300-9,900 img/s on one
+day), so a bound taken once can be off for the run beside it. ``x bound`` is the epoch against the
+slower of the two bounds, what the machine allows. Prints a markdown table; ``--json`` also writes the
+rows.
 """
 from __future__ import annotations
 
@@ -190,7 +191,7 @@ def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
 
     from reader import PackedDataset
     from reader.format import load_manifest
-    from reader.format.jpeg_decode import decode_jpeg_into
+    from reader.format.jpeg_decode import STORE_ALIGNMENT, decode_jpeg_into, unaligned_start
 
     if load_manifest(Path(dataset)).encoding != "jpeg":
         return None
@@ -200,8 +201,13 @@ def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
     sizes = [simplejpeg.decode_jpeg_header(array)[:2] for array in arrays]
     start = multiprocessing.get_context("fork").Barrier(workers + 1)
 
+    def placed(height: int, width: int) -> np.ndarray:  # where the reader's batches put an image
+        flat = np.empty(3 * height * width + STORE_ALIGNMENT, np.uint8)
+        shift = unaligned_start(flat.ctypes.data)
+        return flat[shift:shift + 3 * height * width].reshape(height, width, 3)
+
     def decode_all() -> None:
-        buffers = {size: np.empty((*size, 3), np.uint8) for size in set(sizes)}
+        buffers = {size: placed(*size) for size in set(sizes)}
         start.wait()
         for array, size in zip(arrays, sizes):
             decode_jpeg_into(memoryview(array), buffers[size], fast=source.fast_decode)
