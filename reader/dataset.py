@@ -23,6 +23,7 @@ lets the loader's main process start reading the blocks of batches still ahead.
 """
 from __future__ import annotations
 
+import math
 import operator
 import os
 from pathlib import Path
@@ -40,7 +41,7 @@ from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode_threads import DecodeThreads
 from reader.format import MANIFEST_NAME, FormatError, Manifest, encoding, load_manifest, load_shard_table
 from reader.format.fields import SOURCE
-from reader.format.jpeg_decode import STORE_ALIGNMENT, unaligned_start
+from reader.format.jpeg_decode import STORE_ALIGNMENT, padded_size, store_shift
 from reader.format.shard_files import check_shard_file
 from reader.record_columns import RecordColumns
 from reader.record_fields import RecordFields
@@ -274,6 +275,15 @@ class PackedDataset(Dataset):
             samples = [image.contiguous() for image in images]
         return list(zip(samples, self._records.labels[idx].tolist()))
 
+    def batch_bytes(self, count: int) -> int | None:
+        """The bytes a batch of ``count`` records takes from the batch memory pool (``reader.batch_memory``)
+        when every record has the same shape (manifest ``shape``) and is decoded, decode room included
+        (``_decode_target``); else None (the sizes vary)."""
+        if self.manifest.shape is None or not self.decode:
+            return None
+        pixels = count * math.prod(self.manifest.shape)
+        return pixels if self._encoding.stores_pixels else pixels + STORE_ALIGNMENT
+
     def read_batch(self, indices: Indices) -> tuple[Images, torch.Tensor]:
         """A whole batch, in the requested order: ``(uint8 [B, 3, H, W], int64 [B])``, zero-copy.
 
@@ -394,10 +404,10 @@ class PackedDataset(Dataset):
             batch = _decode_target(allocate, len(idx) * h * w * 3).view(len(idx), h, w, 3)
             outputs: np.ndarray | list[np.ndarray] = batch.numpy()
             images = batch.permute(0, 3, 1, 2)
-        else:  # images of other sizes, each starting a multiple of STORE_ALIGNMENT past the first
+        else:  # images of other sizes, each starting where the one before ends, padded (padded_size)
             heights, widths = records.heights[idx].tolist(), records.widths[idx].tolist()
             sizes = [3 * h * w for h, w in zip(heights, widths)]
-            starts = np.cumsum([0] + [-(-size // STORE_ALIGNMENT) * STORE_ALIGNMENT for size in sizes]).tolist()
+            starts = np.cumsum([0] + [padded_size(size) for size in sizes]).tolist()
             flat = _decode_target(allocate, starts[-1])
             pixels = [flat[start:start + size].view(h, w, 3)
                       for start, size, h, w in zip(starts, sizes, heights, widths)]
@@ -460,7 +470,7 @@ def _decode_target(allocate: Allocator, nbytes: int) -> torch.Tensor:
     writes with ordinary stores rather than past the cache (``reader.format.jpeg_decode``, "Where the
     pixels go")."""
     flat = allocate((nbytes + STORE_ALIGNMENT,))
-    shift = unaligned_start(flat.data_ptr())
+    shift = store_shift(flat.data_ptr())
     return flat[shift:shift + nbytes]
 
 

@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 # How much larger than its views' bytes a shared span may be and still be moved whole: a batch's views
-# fill their buffer (a slot's few spare bytes aside).
+# fill their buffer, but for a slot's few spare bytes and, between decoded JPEG images of mixed sizes, up
+# to 31 bytes each (``reader.format.jpeg_decode.padded_size``).
 MAX_SPAN_OVERHEAD = 1.25
 
 

@@ -16,7 +16,6 @@ dataset goes through a plain ``DataLoader``, since ``PackedDataset`` follows tor
 """
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any, Sequence
 
@@ -79,13 +78,14 @@ class PackedView(Dataset):
                        for part, count in zip(self.parts, counts)))
 
     def batch_nbytes(self, batch_size: int) -> int | None:
-        """The bytes of a full batch's images when every record has the same shape (manifest
-        ``shape``) in every part and is decoded; else None (encoded records vary in size)."""
-        if not self.decodes:
-            return None
+        """The bytes a full batch takes from the batch memory pool when every record has the same shape
+        (manifest ``shape``) in every part and is decoded (``PackedDataset.batch_bytes``: the largest
+        part's); else None (encoded records vary in size)."""
         shapes = {None if part.manifest.shape is None else tuple(part.manifest.shape) for part in self.parts}
-        shape = shapes.pop() if len(shapes) == 1 else None
-        return None if shape is None else batch_size * math.prod(shape)
+        if len(shapes) > 1:
+            return None
+        sizes = [part.batch_bytes(batch_size) for part in self.parts]
+        return None if None in sizes else max(size for size in sizes if size is not None)
 
     @property
     def readahead(self) -> bool:

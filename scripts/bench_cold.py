@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> None:
     for row in rows:
         print(f"| {row['name']} | {row['epoch']} | {row['img_s']:,.0f} | {row['seconds']:.2f} | "
               f"{row['first_batch_s']:.2f} | {row['read_mb']} | {row['ios']} | {row['io_kib']} | "
-              f"{row['mb_s']} | {row['x_bound']} | {row.get('x_decode', '')} | {row.get('x_both', row['x_bound'])} |")
+              f"{row['mb_s']} | {row['x_payload']} | {row.get('x_decode', '')} | "
+              f"{row.get('x_bound', row['x_payload'])} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
@@ -162,7 +163,7 @@ def _against_decoding(rows: list[dict], before: float | None, after: float | Non
     print(f"    decode bound {decoding:.2f} s (before {before:.2f}, after {after:.2f})", flush=True)
     for row in rows:
         row["x_decode"] = f"{row['seconds'] / decoding:.2f}x"
-        row["x_both"] = f"{row['seconds'] / max(decoding, payload_bound):.2f}x"
+        row["x_bound"] = f"{row['seconds'] / max(decoding, payload_bound):.2f}x"
     return rows
 
 
@@ -191,7 +192,7 @@ def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
 
     from reader import PackedDataset
     from reader.format import load_manifest
-    from reader.format.jpeg_decode import STORE_ALIGNMENT, decode_jpeg_into, unaligned_start
+    from reader.format.jpeg_decode import STORE_ALIGNMENT, decode_jpeg_into, store_shift
 
     if load_manifest(Path(dataset)).encoding != "jpeg":
         return None
@@ -203,7 +204,7 @@ def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
 
     def placed(height: int, width: int) -> np.ndarray:  # where the reader's batches put an image
         flat = np.empty(3 * height * width + STORE_ALIGNMENT, np.uint8)
-        shift = unaligned_start(flat.ctypes.data)
+        shift = store_shift(flat.ctypes.data)
         return flat[shift:shift + 3 * height * width].reshape(height, width, 3)
 
     def decode_all() -> None:
@@ -238,9 +239,9 @@ def _row(name: str, command: list[str], device: str, mem: str | None, payload: i
                      "read_mb": f"{nbytes / 1e6:,.0f}" if first else "",
                      "ios": ios if first else "", "io_kib": f"{nbytes / max(ios, 1) / 1024:,.0f}" if first else "",
                      "mb_s": f"{nbytes / sum(e['seconds'] for e in epochs) / 1e6:.0f}" if first else "",
-                     "x_bound": f"{epoch['seconds'] / (payload / rate):.2f}x"})
+                     "x_payload": f"{epoch['seconds'] / (payload / rate):.2f}x"})
         print(f"  {name} epoch {epoch['epoch']}: {rows[-1]['img_s']:,.0f} img/s, {epoch['seconds']:.2f} s "
-              f"({rows[-1]['x_bound']} the payload bound), first batch {epoch['first_batch_s']:.2f} s", flush=True)
+              f"({rows[-1]['x_payload']} the payload bound), first batch {epoch['first_batch_s']:.2f} s", flush=True)
     print(f"    disk: {nbytes / 1e6:,.0f} MB in {ios} IOs", flush=True)
     return rows
 

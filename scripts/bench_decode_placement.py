@@ -5,9 +5,11 @@
 libjpeg-turbo's x86 colour conversion writes a row that starts on a 32-byte boundary with non-temporal
 stores, and any other row with ordinary ones (``reader.format.jpeg_decode``, "Where the pixels go");
 ``PackedDataset`` decodes a batch's images 16 bytes past such a boundary. This measures both placements
-on one process, the first ``--records`` JPEG payloads of DATASET decoded into one batch-like buffer
-per placement with the reader's decoder, for its fast and accurate paths, the placements alternating
-round by round (a VM's speed drifts); it prints the median and best CPU microseconds a record.
+in one process: the first ``--records`` JPEG payloads of DATASET (one image size, rows of a multiple of
+32 bytes, so that every row starts as labelled) decoded with the reader's decoder into one batch-like
+buffer, starting on a page or 16 bytes past it, for its fast and accurate paths, the placements
+alternating round by round (a VM's speed drifts); it prints the median and best CPU microseconds a
+record.
 """
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ def main() -> None:
     if source.manifest.encoding != "jpeg" or source.manifest.shape is None:
         raise SystemExit(f"{args.dataset}: needs a JPEG dataset of one image size")
     _, height, width = source.manifest.shape
+    if 3 * width % STORE_ALIGNMENT:
+        raise SystemExit(f"{args.dataset}: rows of {3 * width} bytes start at varying offsets; this compares "
+                         f"images whose rows are a multiple of {STORE_ALIGNMENT} bytes")
     payloads, _ = source.read_batch(np.arange(min(args.records, len(source))))
     arrays = [payload.numpy().tobytes() for payload in payloads]
     image = 3 * height * width

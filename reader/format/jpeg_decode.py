@@ -16,14 +16,16 @@ Where the pixels go: libjpeg-turbo's x86 colour conversion and merged upsampling
 with non-temporal stores (``vmovntdq``, past the cache, then an ``sfence`` at the end of each call) when
 the row starts on a ``STORE_ALIGNMENT`` (32-byte, AVX2) boundary, and with ordinary stores otherwise
 (``jdcolext-avx2.asm``, ``jdmrgext-avx2.asm``). For rows of a few hundred bytes that are read again soon
-(the batch goes to the main process, then to the GPU), the ordinary stores are faster: measured on this
-project's 2-core VM (AMD EPYC), 224x224 q90 JPEGs decoded into one buffer at each offset in turn, 8
-rounds: 201 us a record 16 bytes past a 32-byte boundary against 220 us on it (fast path; 229 against
-240 us accurate). A batch buffer starts on a page, and a 224 px row is 672 bytes (21 x 32), so without
-care every row of every image was written past the cache. So callers decode into destinations that
-start ``unaligned_start(address)`` bytes past their buffer's start: 16 bytes past a 32-byte boundary,
-still 16-byte aligned for whatever reads the pixels next (an SSE2-only CPU, whose libjpeg-turbo tests
-16 bytes, keeps its non-temporal stores).
+(the batch goes to the main process, then to the GPU), the ordinary stores are faster: on this
+project's 2-core VM (AMD EPYC), 224x224 q90 records took 216 us against 244 us on the boundary (fast
+path, median of 8 rounds; ``scripts/bench_decode_placement.py``, BENCHMARKS.md "Reading"). A batch
+slot starts on a page (a private buffer on 64 bytes), and a 224 px row is 672 bytes (21 x 32), so
+without care every row of every image was written past the cache. So a decode destination starts
+``store_shift(address)`` bytes past its buffer's address: 16 bytes past a 32-byte boundary, still
+16-byte aligned for whatever reads the pixels next (an SSE2-only CPU, whose libjpeg-turbo tests 16
+bytes, keeps its non-temporal stores), and the images of a batch of mixed sizes each start
+``padded_size`` bytes after the one before. Rows of a width whose 3 bytes a pixel are not a multiple
+of 32 start at varying offsets, and some of them on the boundary.
 """
 from __future__ import annotations
 
@@ -36,11 +38,17 @@ STORE_ALIGNMENT = 32  # rows starting on this boundary are written with non-temp
 STORE_OFFSET = 16  # where a decode destination starts past such a boundary
 
 
-def unaligned_start(address: int) -> int:
-    """How many bytes past ``address`` a decode destination should start (0 to ``STORE_ALIGNMENT - 1``):
+def store_shift(address: int) -> int:
+    """How many bytes past ``address`` a decode destination starts (0 to ``STORE_ALIGNMENT - 1``):
     ``STORE_OFFSET`` bytes past a ``STORE_ALIGNMENT`` boundary, where libjpeg-turbo writes its rows with
     ordinary stores (module docstring, "Where the pixels go")."""
     return (STORE_OFFSET - address) % STORE_ALIGNMENT
+
+
+def padded_size(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``STORE_ALIGNMENT``: how far apart consecutive images of a
+    batch start, so that all start alike."""
+    return -(-nbytes // STORE_ALIGNMENT) * STORE_ALIGNMENT
 
 
 def releases_gil() -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import math
 import os
 from pathlib import Path
 
@@ -11,11 +12,13 @@ import torch
 from PIL import Image
 from reader_helpers import CLASSES, Packed, chw, make_images, pack_images
 
+import reader.dataset
 import reader.mapped_copy
 import reader.shard_io
 from reader import PackedDataset
 from reader.format import FormatError
-from reader.format.jpeg_decode import STORE_ALIGNMENT, unaligned_start
+from reader.format.jpeg_decode import STORE_ALIGNMENT, store_shift
+from reader.packed_view import PackedView
 
 COUNT = 23
 SIZE = (24, 32)
@@ -95,25 +98,39 @@ def test_jpeg_batch_is_channels_last(tmp_path, images):
 
 @pytest.mark.parametrize("sizes", [[SIZE], [(24, 32), (17, 21), (9, 40)]], ids=["fixed-size", "variable-size"])
 def test_jpeg_images_are_decoded_off_the_non_temporal_boundary(tmp_path, sizes):
-    """libjpeg-turbo writes a row that starts on a 32-byte boundary with non-temporal stores, about 9%
-    slower here (``reader.format.jpeg_decode``): every image of a batch starts 16 bytes past one, in the
-    pool's buffers as in private ones, and its pixels are the record's."""
+    """libjpeg-turbo writes a row that starts on a 32-byte boundary with non-temporal stores, about a
+    tenth slower here (``reader.format.jpeg_decode``): every image of a batch starts 16 bytes past one,
+    in a fresh buffer of the pool as in the reused one, and holds its record's pixels."""
     packed = pack_one_shard(tmp_path, make_images(6, sizes), "lmdb", "jpeg")
     ds = PackedDataset(packed.path)
-    for _ in range(2):  # the second batch reuses the first one's buffer
+    buffers = []
+    for _ in range(2):
         batch, _ = ds.read_batch(list(range(6)))
         assert [image.data_ptr() % 32 for image in batch] == [16] * 6
         for image, expected in zip(batch, packed.images):
             assert_close(image, expected, "jpeg")
-        del batch
-    samples = ds.__getitems__([5, 0])
-    assert [label for _, label in samples] == [packed.labels[5], packed.labels[0]]
-    assert_close(samples[0][0], packed.images[5], "jpeg")
+        buffers.append(batch[0].untyped_storage().data_ptr())
+        del batch, image
+    assert buffers[0] == buffers[1]  # the second batch reused the first one's buffer
+
+
+@pytest.mark.parametrize("encoding", ["raw", "jpeg"])
+def test_batch_bytes_is_what_a_batch_takes_from_the_pool(tmp_path, images, encoding, monkeypatch):
+    """What a worker reserves for its first batch slot (``PackedView.batch_nbytes``) is what a batch
+    asks for, the JPEG decode room included, so that the first batch fits the slot made for it."""
+    asked = []
+    real = reader.dataset.new_batch
+    monkeypatch.setattr(reader.dataset, "new_batch", lambda shape: asked.append(math.prod(shape)) or real(shape))
+    ds = PackedDataset(pack_one_shard(tmp_path, images[:6], "lmdb", encoding).path)
+    ds.read_batch(list(range(5)))
+    assert asked == [ds.batch_bytes(5)]
+    room = 32 if encoding == "jpeg" else 0
+    assert PackedView(ds).batch_nbytes(5) == ds.batch_bytes(5) == 5 * 3 * math.prod(SIZE) + room
 
 
 def test_decode_destination_offset():
     for address in range(0, 4096 + 64, 4):
-        shift = unaligned_start(address)
+        shift = store_shift(address)
         assert 0 <= shift < STORE_ALIGNMENT and (address + shift) % STORE_ALIGNMENT == 16
 
 

@@ -12,6 +12,7 @@ from reader_helpers import make_images, pack_images
 
 import reader.loader
 from reader import PackedDataset, batch_memory, make_loader
+from reader.format.jpeg_decode import STORE_ALIGNMENT
 from reader.loader import PackedLoader
 
 COUNT = 37
@@ -264,9 +265,9 @@ def test_jpeg_batch_is_decoded_shard_by_shard_as_each_is_read(jpeg_path, monkeyp
 def test_workers_make_their_first_slot_before_their_first_batch(raw_path, jpeg_path, tmp_path):
     """make_loader's workers make a full batch's slot when they start (its pages faulted in), for
     datasets whose batches all have one size; the first batch then takes that slot."""
-    for path in (raw_path, jpeg_path):
+    for path, room in ((raw_path, 0), (jpeg_path, STORE_ALIGNMENT)):  # JPEG: room to place the images
         loader = make_loader(PackedDataset(path), BATCH, num_workers=2)
-        assert loader.worker_init_fn.keywords == {"batch_nbytes": BATCH * 3 * 16 * 24}
+        assert loader.worker_init_fn.keywords == {"batch_nbytes": BATCH * 3 * 16 * 24 + room}
     mixed = pack_images(tmp_path / "mixed", make_images(6, [(16, 24), (12, 20)]), [0] * 6,
                         storage="lmdb", encoding="raw", records_per_shard=15).path
     assert make_loader(PackedDataset(mixed), BATCH, num_workers=2).worker_init_fn.keywords == {"batch_nbytes": None}
