@@ -41,7 +41,7 @@ from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode_threads import DecodeThreads
 from reader.format import MANIFEST_NAME, FormatError, Manifest, encoding, load_manifest, load_shard_table
 from reader.format.fields import SOURCE
-from reader.format.jpeg_decode import STORE_ALIGNMENT, padded_size, store_shift
+from reader.format.jpeg_decode import padded_size, placed_room, store_shift
 from reader.format.shard_files import check_shard_file
 from reader.record_columns import RecordColumns
 from reader.record_fields import RecordFields
@@ -282,7 +282,7 @@ class PackedDataset(Dataset):
         if self.manifest.shape is None or not self.decode:
             return None
         pixels = count * math.prod(self.manifest.shape)
-        return pixels if self._encoding.stores_pixels else pixels + STORE_ALIGNMENT
+        return pixels if self._encoding.stores_pixels else placed_room(pixels)
 
     def read_batch(self, indices: Indices) -> tuple[Images, torch.Tensor]:
         """A whole batch, in the requested order: ``(uint8 [B, 3, H, W], int64 [B])``, zero-copy.
@@ -469,7 +469,7 @@ def _decode_target(allocate: Allocator, nbytes: int) -> torch.Tensor:
     """``nbytes`` of a new batch buffer for JPEG records to be decoded into, starting where libjpeg-turbo
     writes with ordinary stores rather than past the cache (``reader.format.jpeg_decode``, "Where the
     pixels go")."""
-    flat = allocate((nbytes + STORE_ALIGNMENT,))
+    flat = allocate((placed_room(nbytes),))
     shift = store_shift(flat.data_ptr())
     return flat[shift:shift + nbytes]
 

@@ -82,10 +82,9 @@ class PackedView(Dataset):
         (manifest ``shape``) in every part and is decoded (``PackedDataset.batch_bytes``: the largest
         part's); else None (encoded records vary in size)."""
         shapes = {None if part.manifest.shape is None else tuple(part.manifest.shape) for part in self.parts}
-        if len(shapes) > 1:
-            return None
         sizes = [part.batch_bytes(batch_size) for part in self.parts]
-        return None if None in sizes else max(size for size in sizes if size is not None)
+        known = [size for size in sizes if size is not None]
+        return max(known) if len(shapes) == 1 and len(known) == len(sizes) else None
 
     @property
     def readahead(self) -> bool:

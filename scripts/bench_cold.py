@@ -192,7 +192,7 @@ def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
 
     from reader import PackedDataset
     from reader.format import load_manifest
-    from reader.format.jpeg_decode import STORE_ALIGNMENT, decode_jpeg_into, store_shift
+    from reader.format.jpeg_decode import decode_jpeg_into, placed_room, store_shift
 
     if load_manifest(Path(dataset)).encoding != "jpeg":
         return None
@@ -203,7 +203,7 @@ def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
     start = multiprocessing.get_context("fork").Barrier(workers + 1)
 
     def placed(height: int, width: int) -> np.ndarray:  # where the reader's batches put an image
-        flat = np.empty(3 * height * width + STORE_ALIGNMENT, np.uint8)
+        flat = np.empty(placed_room(3 * height * width), np.uint8)
         shift = store_shift(flat.ctypes.data)
         return flat[shift:shift + 3 * height * width].reshape(height, width, 3)
 

@@ -45,6 +45,11 @@ def store_shift(address: int) -> int:
     return (STORE_OFFSET - address) % STORE_ALIGNMENT
 
 
+def placed_room(nbytes: int) -> int:
+    """The bytes to allocate for ``nbytes`` of decode destination to fit once shifted by ``store_shift``."""
+    return nbytes + STORE_ALIGNMENT
+
+
 def padded_size(nbytes: int) -> int:
     """``nbytes`` rounded up to a multiple of ``STORE_ALIGNMENT``: how far apart consecutive images of a
     batch start, so that all start alike."""
