@@ -4,19 +4,20 @@
         [--epochs 1] [--orders quasi_random,random]
         [--before CHECKOUT] [--mem SIZE]
 
-Each ``SET`` is a packed dataset on the slow disk (``../shared/tools/slowdisk up``, 100 MB/s, 200 read
-IOPS), written ``[LABEL=]PATH``. For each set: ``cat`` of its shard files under ``slowdisk run`` (the
-page cache dropped first): the disk's sequential rate; then, per order, a loader (batch 256, 2 workers)
-reading ``--epochs`` epochs under ``slowdisk run``. ``--before CHECKOUT`` runs another checkout's reader
-on the same set right after (set ``PYTHONPATH`` to it); ``--ffcv`` adds FFCV 1.0.2's loader
-(2 threads; ``--ffcv-orders``: ``RANDOM`` with ``os_cache=True`` and ``QUASI_RANDOM``, its two cold
-settings; from ``--ffcv-python``, a venv of its own, never a dependency of this project) over a
-``.beton`` on the same disk; ``--mem`` runs the readers with
-``SLOW_MEM`` (memory and page cache capped: a set larger than that is read from the disk every epoch).
+Each ``SET`` is a packed dataset on the slow disk (``scripts/slowdisk up``: 100 MB/s, 200 read IOPS, on
+cgroup v1 or v2; ``SLOWDISK`` names another such tool), written ``[LABEL=]PATH``. For each set: ``cat``
+of its shard files under ``slowdisk run`` (the page cache dropped first): the disk's sequential rate;
+then, per order, a loader (batch 256, 2 workers) reading ``--epochs`` epochs under ``slowdisk run``.
+``--before CHECKOUT`` runs another checkout's reader on the same set right after (that checkout first
+on ``PYTHONPATH``); ``--ffcv`` adds FFCV 1.0.2's loader (2 threads; ``--ffcv-orders``: ``RANDOM`` with
+``os_cache=True`` and ``QUASI_RANDOM``, its two cold settings; from ``--ffcv-python``, a venv of its
+own, never a dependency of this project) over a ``.beton`` on the same disk; ``--mem`` runs the readers
+with ``SLOW_MEM`` (memory and page cache capped: a set larger than that is read from the disk every
+epoch).
 
 Reported per run: img/s, seconds, the first batch's wait, what the disk served (bytes, the number and
-mean size of its IOs: the blkio cgroup's ``blkio.throttle.io_service_bytes`` / ``io_serviced`` for
-the slow disk's device, before and after), MB/s, and the epoch's time against the *payload bound*:
+mean size of its IOs: ``slowdisk counters``, the block throttle's counters for the slow disk's
+device, before and after), MB/s, and the epoch's time against the *payload bound*:
 the payload bytes at the rate ``cat`` measured (``1.00x`` = the disk streamed nothing but payloads).
 The disk's rate is the faster of ``CAT_ROUNDS`` cold ``cat`` runs: one run was seen 10% slow, which
 flatters every ratio against it. For a JPEG set also the *decode bound*, the other physical limit: the
@@ -41,51 +42,63 @@ from pathlib import Path
 BATCH = 256  # as bench_ffcv's loaders
 WORKERS = 2  # each reader's loader processes (FFCV: threads)
 CAT_ROUNDS = 2  # cold cats of a set's shards; the fastest is the disk's rate (module docstring)
-BLKIO = Path("/sys/fs/cgroup/blkio/slowdisk")
 HERE = Path(__file__).resolve()
-SLOWDISK = os.environ.get("SLOWDISK", str(HERE.parents[2] / "shared" / "tools" / "slowdisk"))  # beside the checkout
+SLOWDISK = os.environ.get("SLOWDISK", str(HERE.parent / "slowdisk"))  # scripts/slowdisk: cgroup v1 or v2
 CAT = ["sh", "-c", 'cat "$@" > /dev/null', "cat"]  # the files follow
 FFCV_ORDERS = {"random": "RANDOM os_cache", "quasi_random": "QUASI_RANDOM"}
 
 
 def read_epochs(dataset: str, order: str, epochs: int, workers: int) -> list[dict]:
-    """Per-epoch figures of ``make_loader`` over a packed dataset (the reader on ``sys.path``)."""
+    """Per-epoch figures of ``make_loader`` over a packed dataset (the reader on ``sys.path``). On a machine
+    with CUDA the loader pins its batches, and CUDA is started first, as a training script's model is
+    on the GPU before its first batch: else the first batch's wait would include CUDA's start."""
+    import torch
     from bench_ffcv import _epochs
 
     from reader import PackedDataset, make_loader
 
+    if torch.cuda.is_available():
+        torch.empty(1).pin_memory()
     loader = make_loader(PackedDataset(dataset), BATCH, num_workers=workers, order=order)
     return _epochs(loader, epochs, set_epoch=True, pids=lambda: [])
 
 
-def device_of(mnt: Path) -> str:
-    """``MAJ:MIN`` of the block device mounted at ``mnt``."""
-    dev = os.stat(mnt).st_dev
-    return f"{os.major(dev)}:{os.minor(dev)}"
+def _python_path(checkout: str | Path) -> str:
+    """``PYTHONPATH`` for a child reading with ``checkout``'s reader: the checkout first, then whatever the
+    caller's ``PYTHONPATH`` holds (dependencies installed there, as on a machine without a venv)."""
+    return os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))
 
 
-def disk_reads(device: str) -> tuple[int, int]:
-    """(bytes, IOs) the blkio cgroup has counted as read from ``device`` so far."""
-    def read_count(name: str) -> int:
-        for line in (BLKIO / name).read_text().splitlines():
-            fields = line.split()
-            if len(fields) == 3 and fields[0] == device and fields[1] == "Read":
-                return int(fields[2])
-        return 0
-    return read_count("blkio.throttle.io_service_bytes"), read_count("blkio.throttle.io_serviced")
+def _output(command: list[str], env: dict[str, str]) -> str:
+    """``command``'s stdout; where it fails, its stderr's end and exit status, then exit."""
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode:
+        sys.stderr.write(done.stderr[-3000:])
+        raise SystemExit(f"bench_cold: {' '.join(command)} exited with status {done.returncode}")
+    return done.stdout
 
 
-def measured(command: list[str], device: str, mem: str | None = None) -> tuple[float, int, int, str]:
+def disk_reads(mnt: str) -> tuple[int, int]:
+    """(bytes, IOs) the throttled group has read from the slow disk at ``mnt`` so far (``slowdisk
+    counters``: the blkio or io controller's counters of that device)."""
+    out = _output([SLOWDISK, "counters"], {**os.environ, "MNT": mnt})
+    fields = out.split()
+    if len(fields) != 3 or not (fields[1].isdigit() and fields[2].isdigit()):
+        raise SystemExit(f"{SLOWDISK} counters printed {out!r}, not 'MAJ:MIN BYTES IOS'")
+    return int(fields[1]), int(fields[2])
+
+
+def measured(command: list[str], mnt: str, mem: str | None = None) -> tuple[float, int, int, str]:
     """Run ``command`` under ``slowdisk run``: (seconds, bytes read, IOs, stdout)."""
-    env = dict(os.environ)
+    env = {**os.environ, "MNT": mnt}
     env.pop("SLOW_MEM", None)
     if mem:
         env["SLOW_MEM"] = mem
-    before = disk_reads(device)
+    before = disk_reads(mnt)
     start = time.perf_counter()
-    out = subprocess.run([SLOWDISK, "run", *command], check=True, capture_output=True, text=True, env=env).stdout
+    out = _output([SLOWDISK, "run", *command], env)
     seconds = time.perf_counter() - start
-    after = disk_reads(device)
+    after = disk_reads(mnt)
     return seconds, after[0] - before[0], after[1] - before[1], out
 
 
@@ -101,14 +114,14 @@ def payload_bytes(dataset: Path) -> tuple[int, int, list[Path]]:
 
 
 def run(args: argparse.Namespace) -> None:
-    device = device_of(Path(args.mnt))
+    mnt = args.mnt
     rows = []
     for item in args.sets:
         label, _, path = item.rpartition("=")
         dataset = Path(path)
         label = label or dataset.name
         payload, shard_bytes, files = payload_bytes(dataset)
-        seconds, nbytes, ios, _ = min(measured(CAT + [str(f) for f in files], device) for _ in range(CAT_ROUNDS))
+        seconds, nbytes, ios, _ = min(measured(CAT + [str(f) for f in files], mnt) for _ in range(CAT_ROUNDS))
         rate = shard_bytes / seconds
         bound = payload / rate
         print(f"{label}: payload {payload / 1e6:,.1f} MB, shards {shard_bytes / 1e6:,.1f} MB "
@@ -120,18 +133,17 @@ def run(args: argparse.Namespace) -> None:
             readers.append((f"{label} before", sys.executable, args.before))
         for name, python, checkout in readers:
             for order in args.orders.split(","):
-                env_path = checkout or str(HERE.parents[1])
-                command = ["env", f"PYTHONPATH={env_path}", python, str(HERE), "read", str(dataset),
-                           "--order", order, "--epochs", str(args.epochs)]
+                command = ["env", f"PYTHONPATH={_python_path(checkout or HERE.parents[1])}", python, str(HERE),
+                           "read", str(dataset), "--order", order, "--epochs", str(args.epochs)]
                 decoding = _decode_bound(dataset)
-                run_rows = _row(f"{name}, {order}", command, device, args.mem, payload, shard_bytes, rate,
+                run_rows = _row(f"{name}, {order}", command, mnt, args.mem, payload, shard_bytes, rate,
                                 len(files))
                 after = _decode_bound(dataset)
                 rows.extend(_against_decoding(run_rows, decoding, after, bound))
     if args.ffcv:
         beton = Path(args.ffcv)
         size = beton.stat().st_size
-        seconds, nbytes, ios, _ = min(measured(CAT + [str(beton)], device) for _ in range(CAT_ROUNDS))
+        seconds, nbytes, ios, _ = min(measured(CAT + [str(beton)], mnt) for _ in range(CAT_ROUNDS))
         print(f"{beton.name}: {size / 1e6:,.1f} MB; cat cold {size / seconds / 1e6:.1f} MB/s (fastest of {CAT_ROUNDS})",
               flush=True)
         if not args.ffcv_python:
@@ -140,7 +152,7 @@ def run(args: argparse.Namespace) -> None:
             command = [args.ffcv_python, str(HERE), "ffcv", str(beton), "--epochs", str(args.epochs),
                        "--order", order]
             # its bound: the whole file at the rate cat read it (the JPEG payloads and FFCV's index)
-            rows.extend(_row(f"FFCV 1.0.2, {FFCV_ORDERS[order]}", command, device, args.mem, size, size,
+            rows.extend(_row(f"FFCV 1.0.2, {FFCV_ORDERS[order]}", command, mnt, args.mem, size, size,
                              size / seconds, 1))
     print("\n| reader, order | epoch | img/s | s | first batch s | read MB | IOs | mean IO KiB | MB/s "
           "| x payload bound | x decode bound | x bound |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -170,9 +182,8 @@ def _against_decoding(rows: list[dict], before: float | None, after: float | Non
 def _decode_bound(dataset: Path) -> float | None:
     """Seconds the set's records take to decode alone, at the rate ``WORKERS`` processes reach (module
     docstring); None for a set that stores pixels."""
-    out = subprocess.run([sys.executable, str(HERE), "decode", str(dataset), "--workers", str(WORKERS)],
-                         check=True, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(HERE.parents[1])}).stdout
+    out = _output([sys.executable, str(HERE), "decode", str(dataset), "--workers", str(WORKERS)],
+                  {**os.environ, "PYTHONPATH": _python_path(HERE.parents[1])})
     figures = json.loads(out.strip().splitlines()[-1])
     if figures is None:
         return None
@@ -223,11 +234,11 @@ def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
     return {"img_s": workers * len(arrays) / (time.perf_counter() - began), "records": len(source)}
 
 
-def _row(name: str, command: list[str], device: str, mem: str | None, payload: int, shard_bytes: int,
+def _row(name: str, command: list[str], mnt: str, mem: str | None, payload: int, shard_bytes: int,
          rate: float, shards: int) -> list[dict]:
     """Run one reader (all its epochs in one process); the disk counters cover the whole run, so with
     several epochs they are shared out by what each epoch took (shown on the first row)."""
-    seconds, nbytes, ios, out = measured(command, device, mem)
+    seconds, nbytes, ios, out = measured(command, mnt, mem)
     epochs = json.loads(out.strip().splitlines()[-1])
     rows = []
     for epoch in epochs:

@@ -179,7 +179,7 @@ def write_betons(data: Path, encodings: list[str]) -> None:
 def _child(python: str, *args: str, slow: bool = False, script: str = __file__) -> list[dict]:
     command = [python, script, *args]
     if slow:
-        slowdisk = Path(__file__).resolve().parents[2] / "shared" / "tools" / "slowdisk"  # beside the checkout
+        slowdisk = Path(__file__).resolve().parent / "slowdisk"
         command = [os.environ.get("SLOWDISK", str(slowdisk)), "run", *command]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
