@@ -29,7 +29,9 @@ starts reading the tables it lacks): by the time it is advised, the blocks queue
 have been read. Measured on a 1.2 GB raw set of 36 shards under a 1000 MB cap, its first epoch from
 the slow disk: without it, the main process waited 0.5-0.7 s for each new table in the first batches
 and the first batch came after 2.46 s; with tables one lookahead ahead it still waited up to 1.1 s;
-with two, no table read took over 20 ms in 60 batches and the first batch came after 0.68 s.
+with two, no table read took over 20 ms in 60 batches and the first batch came after 0.68 s. A
+lookahead counts as one batch here where it is none (a streamed loader with no memory to advise
+ahead): tables are small, and the same set under that loader waited 1.25 s for its first batch.
 """
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ class BatchStream(Sampler[list[int]]):
     pass's, and how many batches the DataLoader has received, given that it holds ``in_flight`` batches
     beyond those (``reader.streamed_blocks``)) sees
     every batch of ``endless()`` ``ceil(lookahead / batch_size)`` batches before it is yielded, and
-    ``read_tables`` (called with a batch's indices) ``TABLE_LEAD`` times as many batches before that
+    ``read_tables`` (called with a batch's indices) ``TABLE_LEAD`` times as many batches (at least
+    ``TABLE_LEAD``) before that
     (see the module docstring).
 
     ``sampler`` must be a ``ShardSampler``: a framework that rebuilds the loader around its own
@@ -130,7 +133,7 @@ class BatchStream(Sampler[list[int]]):
             for _, batch in batches:
                 yield batch.tolist()
             return
-        tables_lead = TABLE_LEAD * self.lookahead_batches if self.read_tables is not None else 0
+        tables_lead = TABLE_LEAD * max(self.lookahead_batches, 1) if self.read_tables is not None else 0
         coming: deque[tuple[int, np.ndarray]] = deque()  # tables asked for, not advised yet
         ahead: deque[np.ndarray] = deque()  # advised, not yielded yet
         advised = yielded = 0

@@ -20,6 +20,7 @@ import gc
 import os
 import threading
 import time
+import warnings
 from typing import Any, Callable, Iterator, Sequence, cast
 
 import numpy as np
@@ -30,7 +31,7 @@ from reader.arguments import whole_number
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, received_labels
 from reader.batch_stream import BatchStream
 from reader.list_batches import is_encoded, moved_together
-from reader.memory_budget import page_cache_budget
+from reader.memory_budget import free_memory, page_cache_budget
 from reader.packed_view import PackedView, as_view, check_own_reads
 from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
 from reader.torch_hooks import HookedDataLoader
@@ -40,6 +41,12 @@ MAX_DEFAULT_WORKERS = 8
 # blocks: over one, so that the next window's reads are always queued while the current one is read,
 # with room for windows of uneven size.
 LOOKAHEAD_WINDOWS = 1.5
+# A streamed loader's blocks (the window its workers read and those advised ahead) take at most this
+# share of the memory free for the page cache (``lookahead_samples`` says why).
+STREAM_SHARE = 3
+# Batch slots a worker's pool holds at once beyond its prefetch: the batch it fills and one the main
+# process still holds (``reader.batch_memory``); counted against the free memory before any exist.
+SLOTS_BEYOND_PREFETCH = 2
 # How long a worker that ends waits for its data queue's feeder thread (``start_worker``): it sends the
 # batches already queued in milliseconds; it takes longer only when blocked on a full pipe the main
 # process no longer reads, and then it blocks outside torch, where ending it is harmless.
@@ -49,8 +56,13 @@ FEEDER_WAIT_S = 2.0
 def default_num_workers() -> int:
     """The cores this process may use, shared among the ranks on this node, at most 8."""
     cores = len(os.sched_getaffinity(0))
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(MAX_DEFAULT_WORKERS, cores // max(ranks_here, 1)))
+    return max(1, min(MAX_DEFAULT_WORKERS, cores // ranks_on_this_node()))
+
+
+def ranks_on_this_node() -> int:
+    """The training processes on this node that share its cores and memory (``LOCAL_WORLD_SIZE``, which
+    torchrun, accelerate and Lightning set; 1 without it)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 Batch = tuple  # (images: uint8 [B,3,H,W] or B x [3,H,W], labels: int64 [B], *extras with first dim B)
@@ -303,7 +315,10 @@ def make_loader(
     view.streaming = advise is not None and view.shard_bytes() > page_cache_budget()
     prefetch = (2 if prefetch_factor is None else prefetch_factor) if workers > 0 else None
     in_flight = workers * (prefetch or 0)  # batches the DataLoader's workers hold beyond those received
-    lookahead = lookahead_samples(view, buffer_blocks, in_flight * batch_size) if advise else 0
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    batch_bytes = view.batch_nbytes(batch_size) or batch_size * view.shard_bytes() // max(len(view), 1)
+    slots = workers * ((prefetch or 0) + SLOTS_BEYOND_PREFETCH) + (2 if pin else 0)  # pinned: one in use, one next
+    lookahead = lookahead_samples(view, buffer_blocks, in_flight * batch_size, slots * batch_bytes) if advise else 0
     return PackedLoader(
         view,
         batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead,
@@ -313,7 +328,7 @@ def make_loader(
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=prefetch,
-        pin_batches=torch.cuda.is_available() if pin_memory is None else pin_memory,
+        pin_batches=pin,
         evaluation=evaluation,
         multiprocessing_context=multiprocessing_context,
         fields=fields,
@@ -362,21 +377,43 @@ def _join_queue_feeders() -> None:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0) -> int:
+def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, reserved: int = 0) -> int:
     """``LOOKAHEAD_WINDOWS`` windows of ``buffer_blocks`` of the dataset's blocks, in samples; for a
-    streamed view (``PackedView.streaming``) at most what keeps the blocks advised and not yet read,
-    these and the ``in_flight`` samples the workers were given, within half the page cache budget.
+    streamed view (``PackedView.streaming``) at most what keeps the window the workers read, the
+    ``in_flight`` samples they were given and the blocks advised ahead within a ``STREAM_SHARE``-th of
+    the memory free for the page cache (``free_memory``) once ``reserved`` bytes (the batch buffers the
+    loader is about to make) are set aside, each rank on this node (``ranks_on_this_node``) counted with
+    its own buffers and share. Where that share does not hold even one window, a ``RuntimeWarning``
+    says so and what to change.
 
-    Why the bound: advice beyond what the cache (or a memory cgroup) can hold evicts blocks read
-    ahead before they are used, and makes the kernel cut its reads short. Measured on a 1.2 GB raw set
-    under a 1000 MB cap (``scripts/bench_cold.py --mem 1000M``): 64 MiB advised ahead gave 606-608
-    img/s in epochs 2 and 3, 1.2 windows (160 MiB) 459-554. The workers' own batches already keep the
-    disk's queue filled where they span a window or more.
+    Why the bound: under a memory cap, the kernel evicts blocks advised ahead before they are used,
+    and every record of them is then read again on its own, at the disk's IOPS; it starts well before
+    the blocks alone fill the free memory, since what it reclaims first is what was advised and not
+    yet read. Measured with 96,000 JPEG records (1.4 GB, 90 MB windows) on the slow disk
+    (``scripts/bench_cold.py --mem``), epoch 1: under a 1,500 MB cap 134 MB advised ahead read at
+    1.15x the disk's time, bound by the two cores; under 900 MB (about 300 MB left for the page cache
+    once the workers run), 11-53 MB ahead read 3,950-5,440 img/s, 92 MB 1,260 and 134 MB 472. A third
+    gives 46 MB ahead there and 130 MB under 1,500 MB. (Before, a quarter of the cap was allowed, more
+    than is free where the loader's own batch slots or a CUDA process take most of it.)
     """
     view = as_view(dataset)
     blocks = max(view.block_groups().block_count, 1)
     samples = round(LOOKAHEAD_WINDOWS * buffer_blocks * len(view) / blocks)
     if view.streaming:
-        room = page_cache_budget() // 2 * len(view) // max(view.shard_bytes(), 1) - in_flight
+        shard_bytes = max(view.shard_bytes(), 1)
+        ranks = ranks_on_this_node()
+        free = (free_memory() - ranks * reserved) // ranks  # this rank's part
+        window = shard_bytes * min(buffer_blocks, blocks) // blocks
+        if free // STREAM_SHARE < window:
+            warnings.warn(
+                f"make_loader: the memory free for the page cache ({max(free, 0) >> 20} MiB once the "
+                f"loader's batch buffers, {reserved >> 20} MiB, are set aside"
+                f"{f', for each of {ranks} ranks on this node' if ranks > 1 else ''}) is under {STREAM_SHARE} read "
+                f"windows of this streamed dataset ({window >> 20} MiB each: buffer_blocks x block_bytes): "
+                "blocks read ahead will be evicted before they are read, and records read one by one at "
+                "the disk's IOPS. Give the job more memory, or pass PackedDataset(block_bytes=...) or "
+                "make_loader(buffer_blocks=...) smaller, or fewer workers or a smaller batch",
+                RuntimeWarning, stacklevel=3)
+        room = (free // STREAM_SHARE - window) * len(view) // shard_bytes - in_flight
         samples = max(0, min(samples, room))
     return samples

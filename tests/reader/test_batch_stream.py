@@ -72,10 +72,11 @@ def test_each_batch_is_advised_one_lookahead_before_it_is_yielded(raw_path):
         assert step == max(0, k - ahead)
 
 
-def test_each_batch_s_tables_are_asked_for_a_table_lead_before_its_advice(raw_path):
-    """``read_tables`` sees the batches in order, ``TABLE_LEAD`` lookaheads before ``advise``; the
-    batches and the advice to the last one are as without it."""
-    ahead = 3
+@pytest.mark.parametrize("ahead", [3, 0])
+def test_each_batch_s_tables_are_asked_for_a_table_lead_before_its_advice(raw_path, ahead):
+    """``read_tables`` sees the batches in order, ``TABLE_LEAD`` lookaheads before ``advise`` (a lookahead
+    of at least one batch: tables are asked for ahead also where nothing is advised ahead); the batches
+    and the advice to the last one are as without it."""
     events: list[tuple[str, list[int]]] = []
     sampler = ShardSampler(PackedDataset(raw_path), seed=3, buffer_blocks=2)
     stream = BatchStream(sampler, BATCH, False, advise=lambda b, _: events.append(("advise", b.tolist())),
@@ -89,7 +90,7 @@ def test_each_batch_s_tables_are_asked_for_a_table_lead_before_its_advice(raw_pa
     for k, (kind, batch) in enumerate(events):
         if kind == "advise":
             asked = sum(1 for kind, _ in events[:k] if kind == "tables")
-            assert asked == advised.index(batch) + 1 + TABLE_LEAD * ahead
+            assert asked == advised.index(batch) + 1 + TABLE_LEAD * max(ahead, 1)
 
 
 def test_advice_names_each_batch_s_pass(raw_path):

@@ -1,4 +1,5 @@
-"""The page cache budget: half of RAM, or of the memory cgroup's limit where one caps this process.
+"""The page cache budget: half of RAM, or of the memory cgroup's limit where one caps this process; and
+the memory free for the page cache now: the limit less what reclaim cannot take back.
 
 The parsing is checked on cgroup v1 and v2 trees written here; the real limit, where this machine lets
 a test create a memory cgroup (root, cgroup v1 or v2 mounted writable), on a real process put in one.
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from hostile_helpers import subprocess_env
 
-from reader.memory_budget import CGROUP_ROOT, cgroup_memory_limit, page_cache_budget
+from reader.memory_budget import CGROUP_ROOT, cgroup_memory_limit, free_memory, page_cache_budget
 
 TIMEOUT_S = 60
 NO_LIMIT_V1 = 9223372036854771712
@@ -41,6 +42,27 @@ def test_v2_takes_the_tightest_limit_up_the_tree(tmp_path):
     assert cgroup_memory_limit(tmp_path / "proc", tmp_path / "cg") == 2 << 30
     write(tmp_path / "proc", "0::/\n")  # a container's own namespace: its limit is at the root
     assert cgroup_memory_limit(tmp_path / "proc", tmp_path / "cg") == 8 << 30
+
+
+def test_free_memory_is_the_limit_less_what_reclaim_cannot_take(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    write(meminfo, f"MemTotal: {64 << 20} kB\nMemAvailable: {48 << 20} kB\n")  # 48 GiB available
+    write(tmp_path / "proc", "4:memory:/job\n0::/\n")  # v1
+    write(tmp_path / "cg/memory/job/memory.stat",
+          f"cache {900 << 20}\nrss {1}\nhierarchical_memory_limit {3 << 30}\ntotal_cache {900 << 20}\n"
+          f"total_rss {700 << 20}\ntotal_shmem {300 << 20}\n")
+    # the limit less anonymous and shared memory: the page cache (total_cache) is what there is to free
+    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (3 << 30) - (1000 << 20)
+    write(tmp_path / "proc", "0::/pod/container\n")  # v2: the tightest group up the tree
+    write(tmp_path / "cg/pod/container/memory.max", "max\n")
+    write(tmp_path / "cg/pod/container/memory.stat", f"anon {5 << 30}\nfile {1 << 30}\nshmem 0\n")
+    write(tmp_path / "cg/pod/memory.max", f"{8 << 30}\n")
+    write(tmp_path / "cg/pod/memory.stat", f"anon {6 << 30}\nfile {1 << 30}\nshmem {1 << 30}\n")
+    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == 1 << 30
+    write(tmp_path / "cg/pod/memory.max", "max\n")  # no limit: the machine's available memory
+    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == 48 << 30
+    write(tmp_path / "cg/pod/memory.max", f"{4 << 30}\n")  # over the limit: nothing free, never negative
+    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == 0
 
 
 def test_no_cgroup_means_half_the_ram(tmp_path):
@@ -80,5 +102,32 @@ def test_a_process_under_a_real_memory_limit_budgets_half_of_it():
                               capture_output=True, text=True, timeout=TIMEOUT_S, env=subprocess_env())
         assert done.returncode == 0, done.stderr
         assert int(done.stdout) == limit // 2
+    finally:
+        group.rmdir()
+
+
+def test_shared_memory_held_under_a_real_limit_is_not_free():
+    """A process in a real memory cgroup: its free memory is the limit less its own; 64 MiB of shared
+    memory it writes (as batch slots are) comes off it, and page cache it reads does not."""
+    limit = 400 << 20
+    group = memory_cgroup(limit)
+    code = """
+import os, sys, torch
+from reader.memory_budget import free_memory
+before = free_memory()
+slot = torch.empty(64 << 20, dtype=torch.uint8).share_memory_()
+slot.fill_(1)
+with open(sys.executable, "rb") as f:
+    f.read()
+print(before, free_memory())
+"""
+    try:
+        move_in = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
+        done = subprocess.run(["sh", "-c", move_in, "sh", sys.executable, "-c", code],
+                              capture_output=True, text=True, timeout=TIMEOUT_S, env=subprocess_env())
+        assert done.returncode == 0, done.stderr
+        before, after = map(int, done.stdout.split())
+        assert limit - (300 << 20) < before < limit  # torch's own memory held, well under the limit
+        assert (60 << 20) < before - after < (80 << 20)
     finally:
         group.rmdir()

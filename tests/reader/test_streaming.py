@@ -20,7 +20,7 @@ import reader.loader
 import reader.mapped_copy
 import reader.shard_io
 from reader import PackedDataset, make_loader
-from reader.loader import LOOKAHEAD_WINDOWS, lookahead_samples
+from reader.loader import LOOKAHEAD_WINDOWS, SLOTS_BEYOND_PREFETCH, STREAM_SHARE, lookahead_samples
 from reader.packed_view import PackedView
 from reader.shard_io import MAX_READAHEAD_BLOCKS
 from reader.streamed_blocks import StreamedBlocks, StreamPosition
@@ -257,7 +257,15 @@ def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypa
     assert not streaming and indices == list(range(COUNT))
     assert len(found) > 20  # every block checked, in every batch after it, was there
     monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: int(ds.manifest.total_bytes * budget_share) or 4)
-    streaming, indices, found = dropped_as_received(ds)
+    if budget_share:  # room to advise a quarter of the set beyond the window (the whole set here)
+        reserved = 2 * (1 + SLOTS_BEYOND_PREFETCH) * ds.batch_bytes(BATCH)
+        total = ds.manifest.total_bytes
+        monkeypatch.setattr(reader.loader, "free_memory", lambda: reserved + STREAM_SHARE * (total + total // 4))
+        streaming, indices, found = dropped_as_received(ds)
+    else:  # no memory free for the page cache: no advice ahead, and a warning says why
+        monkeypatch.setattr(reader.loader, "free_memory", lambda: 0)
+        with pytest.warns(RuntimeWarning, match="memory free for the page cache"):
+            streaming, indices, found = dropped_as_received(ds)
     assert streaming and indices == list(range(COUNT))
     # The kernel may read a page or two back around a later block's advice (large folios), so allow two.
     assert len(found) <= 2, found
@@ -265,18 +273,38 @@ def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypa
     assert not ds.drop_behind  # the workers' copies read for a streamed loader, not the caller's dataset
 
 
-def test_a_streamed_loader_advises_within_half_the_budget(packed, monkeypatch):
-    ds = PackedDataset(packed.path, block_bytes=1)  # the smallest blocks: many windows
-    per_sample = ds.manifest.total_bytes / len(ds)
-    unbounded = round(LOOKAHEAD_WINDOWS * 2 * len(ds) / ds.block_starts().size)
-    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: int(24 * per_sample))
-    loader = make_loader(ds, 4, num_workers=2, buffer_blocks=2, prefetch_factor=1)
+def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, monkeypatch):
+    """The window the workers read, the samples they were given and the blocks advised ahead fit in a
+    ``STREAM_SHARE``-th of the memory free once the loader's batch buffers are set aside; where not even
+    a window fits, nothing is advised ahead and a warning names the sizes and what to change."""
+    ds = PackedDataset(packed.path, block_bytes=1)  # the smallest blocks: one record each
+    shard_bytes = ds.manifest.total_bytes
+    blocks = ds.block_starts().size
+    unbounded = round(LOOKAHEAD_WINDOWS * 16 * len(ds) / blocks)
+    window = shard_bytes * 16 // blocks
+    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: shard_bytes // 4)  # streamed
+    reserved = 2 * (1 + SLOTS_BEYOND_PREFETCH) * ds.batch_bytes(4)  # 2 workers, prefetch 1, no pinning
+    free = reserved + STREAM_SHARE * (window + 20 * shard_bytes // len(ds))
+    monkeypatch.setattr(reader.loader, "free_memory", lambda: free)
+    loader = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
     assert loader.view.streaming
-    room = int(24 * per_sample) // 2 * len(ds) // ds.manifest.total_bytes - 2 * 1 * 4
-    assert lookahead_samples(loader.view, 2, 8) == min(unbounded, room)
-    assert loader.batch_sampler.lookahead_batches == -(-min(unbounded, room) // 4)
-    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: 4)
-    assert make_loader(ds, 4, num_workers=2, buffer_blocks=2).batch_sampler.lookahead_batches == 0
+    room = ((free - reserved) // STREAM_SHARE - window) * len(ds) // shard_bytes - 2 * 1 * 4
+    assert 0 < room < unbounded
+    assert lookahead_samples(loader.view, 16, 8, reserved) == room
+    assert loader.batch_sampler.lookahead_batches == -(-room // 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this node share the memory: each its part
+    with pytest.warns(RuntimeWarning, match="for each of 2 ranks on this node"):  # not a window each now
+        assert lookahead_samples(loader.view, 16, 8, reserved) == 0
+    monkeypatch.setattr(reader.loader, "free_memory", lambda: 2 * free)
+    assert lookahead_samples(loader.view, 16, 8, reserved) == room
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(reader.loader, "free_memory", lambda: reserved + window)
+    with pytest.warns(RuntimeWarning, match=r"under 3 read windows of this streamed dataset .*buffer_blocks x "
+                      r"block_bytes.*PackedDataset\(block_bytes=\.\.\.\)"):
+        starved = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
+    assert starved.batch_sampler.lookahead_batches == 0
+    labels = [label for _, batch_labels in starved for label in batch_labels.tolist()]
+    assert labels == ds.targets[starved.shard_sampler.rank_order()].tolist()  # slower, never wrong
 
 
 def test_a_new_stream_drops_the_blocks_the_last_one_held(packed, monkeypatch):
