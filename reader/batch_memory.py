@@ -48,6 +48,8 @@ KNOWN_BYTE = STATE_BYTE + 1  # set by the main process once it holds the slot's 
 NAME_BYTES = slice(STATE_BYTE + 8, STATE_BYTE + 16)  # the slot's name: worker pid, serial (uint32 each)
 FREE, SENT, RECEIVED = 0, 1, 2
 _HEADROOM = 8  # new slots get 1/8 extra capacity, so slightly larger variable-size batches still fit
+# Slots a worker's pool holds beyond its batches in flight: the one it fills, one the main process holds.
+SLOTS_BEYOND_PREFETCH = 2
 
 
 class _Slot:
@@ -95,6 +97,15 @@ class _Pool:
             self.slots.append(slot)
             return slot.tensor[:nbytes]
         return _fresh(nbytes, self.shared)
+
+
+def pool_bytes(workers: int, prefetch: int, batch_bytes: int, pinned: bool) -> int:
+    """The memory a loader's batch buffers take once its workers run, for ``reader.loader`` to set aside
+    before any exists: per worker a slot for each batch in flight (``prefetch``) and
+    ``SLOTS_BEYOND_PREFETCH`` more, at most ``MAX_SLOTS``, each with its headroom; and, where batches
+    are pinned, two pinned copies in the main process (the one in use and the next)."""
+    slot = batch_bytes + batch_bytes // _HEADROOM
+    return workers * min(prefetch + SLOTS_BEYOND_PREFETCH, MAX_SLOTS) * slot + (2 * batch_bytes if pinned else 0)
 
 
 _pool: _Pool | None = None

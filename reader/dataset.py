@@ -41,7 +41,7 @@ from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode_threads import DecodeThreads
 from reader.format import MANIFEST_NAME, FormatError, Manifest, encoding, load_manifest, load_shard_table
 from reader.format.fields import SOURCE
-from reader.format.jpeg_decode import padded_size, placed_room, store_shift
+from reader.format.jpeg_decode import PIXELS_PER_JPEG_BYTE, padded_size, placed_room, store_shift
 from reader.format.shard_files import check_shard_file
 from reader.record_columns import RecordColumns
 from reader.record_fields import RecordFields
@@ -283,6 +283,17 @@ class PackedDataset(Dataset):
             return None
         pixels = count * math.prod(self.manifest.shape)
         return pixels if self._encoding.stores_pixels else placed_room(pixels)
+
+    def batch_bytes_estimate(self, count: int) -> int:
+        """About what a batch of ``count`` records takes from the batch memory pool: ``batch_bytes``
+        where that is known; else the records' mean stored size, times ``PIXELS_PER_JPEG_BYTE`` where JPEG
+        records are decoded (a record's decoded size is not in its table). For the loader's memory
+        reckoning (``reader.loader.lookahead_samples``), never for an allocation."""
+        exact = self.batch_bytes(count)
+        if exact is not None:
+            return exact
+        stored = count * self.manifest.total_bytes // max(len(self), 1)
+        return stored if self._encoding.stores_pixels or not self.decode else stored * PIXELS_PER_JPEG_BYTE
 
     def read_batch(self, indices: Indices) -> tuple[Images, torch.Tensor]:
         """A whole batch, in the requested order: ``(uint8 [B, 3, H, W], int64 [B])``, zero-copy.

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from reader.arguments import whole_number
-from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, received_labels
+from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, pool_bytes, received_labels
 from reader.batch_stream import BatchStream
 from reader.list_batches import is_encoded, moved_together
 from reader.memory_budget import free_memory, page_cache_budget
@@ -44,9 +44,7 @@ LOOKAHEAD_WINDOWS = 1.5
 # A streamed loader's blocks (the window its workers read and those advised ahead) take at most this
 # share of the memory free for the page cache (``lookahead_samples`` says why).
 STREAM_SHARE = 3
-# Batch slots a worker's pool holds at once beyond its prefetch: the batch it fills and one the main
-# process still holds (``reader.batch_memory``); counted against the free memory before any exist.
-SLOTS_BEYOND_PREFETCH = 2
+_warned_short_of_memory = False  # the warning of ``lookahead_samples`` comes once a process
 # How long a worker that ends waits for its data queue's feeder thread (``start_worker``): it sends the
 # batches already queued in milliseconds; it takes longer only when blocked on a full pipe the main
 # process no longer reads, and then it blocks outside torch, where ending it is harmless.
@@ -316,9 +314,8 @@ def make_loader(
     prefetch = (2 if prefetch_factor is None else prefetch_factor) if workers > 0 else None
     in_flight = workers * (prefetch or 0)  # batches the DataLoader's workers hold beyond those received
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-    batch_bytes = view.batch_nbytes(batch_size) or batch_size * view.shard_bytes() // max(len(view), 1)
-    slots = workers * ((prefetch or 0) + SLOTS_BEYOND_PREFETCH) + (2 if pin else 0)  # pinned: one in use, one next
-    lookahead = lookahead_samples(view, buffer_blocks, in_flight * batch_size, slots * batch_bytes) if advise else 0
+    reserved = pool_bytes(workers, prefetch or 0, view.batch_bytes_estimate(batch_size), pin)
+    lookahead = lookahead_samples(view, buffer_blocks, in_flight * batch_size, reserved) if advise else 0
     return PackedLoader(
         view,
         batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead,
@@ -384,7 +381,7 @@ def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, 
     the memory free for the page cache (``free_memory``) once ``reserved`` bytes (the batch buffers the
     loader is about to make) are set aside, each rank on this node (``ranks_on_this_node``) counted with
     its own buffers and share. Where that share does not hold even one window, a ``RuntimeWarning``
-    says so and what to change.
+    says so and what to change, once a process (a loader made each epoch would repeat it).
 
     Why the bound: under a memory cap, the kernel evicts blocks advised ahead before they are used,
     and every record of them is then read again on its own, at the disk's IOPS; it starts well before
@@ -393,9 +390,10 @@ def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, 
     (``scripts/bench_cold.py --mem``), epoch 1: under a 1,500 MB cap 134 MB advised ahead read at
     1.15x the disk's time, bound by the two cores; under 900 MB (about 300 MB left for the page cache
     once the workers run), 11-53 MB ahead read 3,950-5,440 img/s, 92 MB 1,260 and 134 MB 472. A third
-    gives 46 MB ahead there and 130 MB under 1,500 MB. (Before, a quarter of the cap was allowed, more
+    gives 31 MB ahead there and 130 MB under 1,500 MB. (Before, a quarter of the cap was allowed, more
     than is free where the loader's own batch slots or a CUDA process take most of it.)
     """
+    global _warned_short_of_memory
     view = as_view(dataset)
     blocks = max(view.block_groups().block_count, 1)
     samples = round(LOOKAHEAD_WINDOWS * buffer_blocks * len(view) / blocks)
@@ -404,7 +402,8 @@ def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, 
         ranks = ranks_on_this_node()
         free = (free_memory() - ranks * reserved) // ranks  # this rank's part
         window = shard_bytes * min(buffer_blocks, blocks) // blocks
-        if free // STREAM_SHARE < window:
+        if free // STREAM_SHARE < window and not _warned_short_of_memory:
+            _warned_short_of_memory = True
             warnings.warn(
                 f"make_loader: the memory free for the page cache ({max(free, 0) >> 20} MiB once the "
                 f"loader's batch buffers, {reserved >> 20} MiB, are set aside"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+from typing import Iterator
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 MEMINFO = Path("/proc/meminfo")
@@ -37,90 +38,83 @@ def cgroup_memory_limit(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Pat
     """The tightest memory limit on this process's control group and its ancestors, in bytes; None
     where there is none (or no cgroup file system).
 
-    cgroup v2: ``memory.max`` of the group and each ancestor ("max" is no limit). cgroup v1: the
-    memory controller's ``hierarchical_memory_limit`` (``memory.stat``), which already takes the
-    ancestors into account; a huge number there means no limit.
+    cgroup v2: ``memory.max`` ("max" is no limit). cgroup v1: the memory controller's
+    ``hierarchical_memory_limit`` (``memory.stat``), which already takes the group's ancestors into
+    account; a huge number there means no limit.
     """
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    limits: list[int] = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        relative = path.lstrip("/")
-        if "memory" in controllers.split(","):
-            limits += _v1_limit(root / "memory" / relative)
-        elif controllers == "":
-            group = root / relative
-            while True:
-                limits += _v2_limit(group / "memory.max")
-                if group == root or root not in group.parents:
-                    break
-                group = group.parent
-    real = [limit for limit in limits if 0 < limit < 1 << 60]
-    return min(real) if real else None
-
-
-def _v1_limit(group: Path) -> list[int]:
-    try:
-        for line in (group / "memory.stat").read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == "hierarchical_memory_limit":
-                return [int(value)]
-    except (OSError, ValueError):
-        pass
-    return []
-
-
-def _v2_limit(path: Path) -> list[int]:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return []
-    return [int(text)] if text.isdigit() else []
+    limits = [limit for group, v1 in _memory_groups(proc_cgroup, root) for limit in _limit(group, v1)]
+    return min(limits) if limits else None
 
 
 def free_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT,
                 meminfo: Path = MEMINFO) -> int:
     """Bytes the page cache can still take for this process now, measured on each call.
 
-    Under memory limits: the least, over each limited group of this process (as in
-    ``cgroup_memory_limit``), of its limit less the memory it holds that reclaim cannot take back:
-    anonymous memory (the processes' own, pinned buffers, a CUDA context) and shared memory (batch
-    slots); cgroup v2 ``anon`` + ``shmem`` of ``memory.stat``, v1 ``total_rss`` + ``total_shmem``. The
-    machine's ``MemAvailable`` too, which bounds it where no group sets a limit.
+    The least, over this process's memory group and each ancestor that has a limit, of that limit less
+    the memory the group holds that reclaim cannot take back: all it is charged for but its file cache,
+    shared memory kept (the processes' own memory, pinned buffers, a CUDA context, batch slots in
+    shared memory, kernel memory: v2 ``memory.current`` - ``file`` + ``shmem``, v1
+    ``memory.usage_in_bytes`` - ``total_cache`` + ``total_shmem``). Each ancestor is its own term:
+    under a Slurm job's limit, the other tasks' groups hold memory too. And the machine's
+    ``MemAvailable``, which bounds it where no group sets a limit. Never below 0.
     """
     free = [_mem_available(meminfo)]
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        relative = path.lstrip("/")
-        if "memory" in controllers.split(","):
-            group = root / "memory" / relative
-            limit, held = _v1_limit(group), _held(group, ("total_rss", "total_shmem"))
-            free += [limit[0] - held] if limit and 0 < limit[0] < 1 << 60 else []
-        elif controllers == "":
-            group = root / relative
-            while True:
-                limit = _v2_limit(group / "memory.max")
-                free += [limit[0] - _held(group, ("anon", "shmem"))] if limit else []
-                if group == root or root not in group.parents:
-                    break
-                group = group.parent
+    for group, v1 in _memory_groups(proc_cgroup, root):
+        for limit in _limit(group, v1):
+            free.append(limit - _held(group, v1))
     return max(0, min(free))
 
 
-def _held(group: Path, names: tuple[str, ...]) -> int:
-    """The sum of ``names`` in ``group``'s ``memory.stat`` (0 for those absent)."""
+def _memory_groups(proc_cgroup: Path, root: Path) -> Iterator[tuple[Path, bool]]:
+    """This process's memory cgroup and each ancestor up to its hierarchy's root, with whether it is
+    cgroup v1 (the memory controller's own hierarchy) or v2 (the unified one); none where
+    ``proc_cgroup`` cannot be read."""
     try:
-        stat = dict(line.split(" ", 1) for line in (group / "memory.stat").read_text().splitlines())
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            top, v1 = root / "memory", True
+        elif controllers == "":
+            top, v1 = root, False
+        else:
+            continue
+        group = top / path.lstrip("/")
+        while True:
+            yield group, v1
+            if group == top or top not in group.parents:
+                break
+            group = group.parent
+
+
+def _limit(group: Path, v1: bool) -> list[int]:
+    """``[limit]`` of ``group`` in bytes, or ``[]`` where it has none (or it cannot be read)."""
+    try:
+        if v1:
+            text = _stat(group).get("hierarchical_memory_limit", "")
+        else:
+            text = (group / "memory.max").read_text().strip()
+    except OSError:
+        return []
+    return [int(text)] if text.isdigit() and 0 < int(text) < 1 << 60 else []
+
+
+def _held(group: Path, v1: bool) -> int:
+    """What ``group`` is charged for that reclaim cannot take back (``free_memory``); 0 where unknown."""
+    usage, cache, shmem = (("memory.usage_in_bytes", "total_cache", "total_shmem") if v1
+                           else ("memory.current", "file", "shmem"))
+    try:
+        stat = _stat(group)
+        return int((group / usage).read_text()) - int(stat.get(cache, 0)) + int(stat.get(shmem, 0))
     except (OSError, ValueError):
         return 0
-    return sum(int(stat[name]) for name in names if stat.get(name, "").strip().isdigit())
+
+
+def _stat(group: Path) -> dict[str, str]:
+    """``group``'s ``memory.stat`` as a mapping of names to values (as text)."""
+    return dict(line.split(" ", 1) for line in (group / "memory.stat").read_text().splitlines() if " " in line)
 
 
 def _mem_available(meminfo: Path) -> int:

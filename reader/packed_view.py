@@ -86,6 +86,11 @@ class PackedView(Dataset):
         known = [size for size in sizes if size is not None]
         return max(known) if len(shapes) == 1 and len(known) == len(sizes) else None
 
+    def batch_bytes_estimate(self, batch_size: int) -> int:
+        """About what a batch takes from the batch memory pool: the largest part's
+        ``PackedDataset.batch_bytes_estimate``."""
+        return max(part.batch_bytes_estimate(batch_size) for part in self.parts)
+
     @property
     def readahead(self) -> bool:
         """Whether some part reads blocks ahead."""

@@ -70,10 +70,11 @@ def _python_path(checkout: str | Path) -> str:
 
 
 def _output(command: list[str], env: dict[str, str]) -> str:
-    """``command``'s stdout; where it fails, its stderr's end and exit status, then exit."""
+    """``command``'s stdout; its stderr passed on (a reader's warnings); where it fails, also its exit
+    status, then exit."""
     done = subprocess.run(command, capture_output=True, text=True, env=env)
+    sys.stderr.write(done.stderr[-3000:])
     if done.returncode:
-        sys.stderr.write(done.stderr[-3000:])
         raise SystemExit(f"bench_cold: {' '.join(command)} exited with status {done.returncode}")
     return done.stdout
 

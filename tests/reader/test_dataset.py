@@ -17,7 +17,7 @@ import reader.mapped_copy
 import reader.shard_io
 from reader import PackedDataset
 from reader.format import FormatError
-from reader.format.jpeg_decode import STORE_ALIGNMENT, store_shift
+from reader.format.jpeg_decode import PIXELS_PER_JPEG_BYTE, STORE_ALIGNMENT, store_shift
 from reader.packed_view import PackedView
 
 COUNT = 23
@@ -126,6 +126,22 @@ def test_batch_bytes_is_what_a_batch_takes_from_the_pool(tmp_path, images, encod
     assert asked == [ds.batch_bytes(5)]
     room = 32 if encoding == "jpeg" else 0
     assert PackedView(ds).batch_nbytes(5) == ds.batch_bytes(5) == 5 * 3 * math.prod(SIZE) + room
+
+
+@pytest.mark.parametrize("encoding", ["raw", "jpeg"])
+def test_a_batch_s_memory_is_estimated_where_its_shapes_vary(tmp_path, encoding):
+    """For the loader's memory reckoning: the exact size where shapes are fixed; where they vary, the
+    mean stored record, times ``PIXELS_PER_JPEG_BYTE`` for JPEG records that are decoded."""
+    fixed = PackedDataset(pack_one_shard(tmp_path / "fixed", make_images(4, [(12, 16)]), "lmdb", encoding).path)
+    assert fixed.batch_bytes_estimate(3) == fixed.batch_bytes(3)
+    varied = pack_one_shard(tmp_path / "varied", make_images(4, [(12, 16), (20, 8)]), "lmdb", encoding).path
+    ds = PackedDataset(varied)
+    assert ds.batch_bytes(3) is None
+    stored = 3 * ds.manifest.total_bytes // len(ds)
+    assert ds.batch_bytes_estimate(3) == (stored * PIXELS_PER_JPEG_BYTE if encoding == "jpeg" else stored)
+    if encoding == "jpeg":
+        assert PackedDataset(varied, decode=False).batch_bytes_estimate(3) == stored
+    assert PackedView(ds).batch_bytes_estimate(3) == ds.batch_bytes_estimate(3)
 
 
 def test_decode_destination_offset():

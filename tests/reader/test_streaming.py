@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,8 @@ import reader.loader
 import reader.mapped_copy
 import reader.shard_io
 from reader import PackedDataset, make_loader
-from reader.loader import LOOKAHEAD_WINDOWS, SLOTS_BEYOND_PREFETCH, STREAM_SHARE, lookahead_samples
+from reader.batch_memory import pool_bytes
+from reader.loader import LOOKAHEAD_WINDOWS, STREAM_SHARE, lookahead_samples
 from reader.packed_view import PackedView
 from reader.shard_io import MAX_READAHEAD_BLOCKS
 from reader.streamed_blocks import StreamedBlocks, StreamPosition
@@ -258,12 +260,13 @@ def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypa
     assert len(found) > 20  # every block checked, in every batch after it, was there
     monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: int(ds.manifest.total_bytes * budget_share) or 4)
     if budget_share:  # room to advise a quarter of the set beyond the window (the whole set here)
-        reserved = 2 * (1 + SLOTS_BEYOND_PREFETCH) * ds.batch_bytes(BATCH)
+        reserved = pool_bytes(2, 1, ds.batch_bytes(BATCH), pinned=False)
         total = ds.manifest.total_bytes
         monkeypatch.setattr(reader.loader, "free_memory", lambda: reserved + STREAM_SHARE * (total + total // 4))
         streaming, indices, found = dropped_as_received(ds)
     else:  # no memory free for the page cache: no advice ahead, and a warning says why
         monkeypatch.setattr(reader.loader, "free_memory", lambda: 0)
+        monkeypatch.setattr(reader.loader, "_warned_short_of_memory", False)
         with pytest.warns(RuntimeWarning, match="memory free for the page cache"):
             streaming, indices, found = dropped_as_received(ds)
     assert streaming and indices == list(range(COUNT))
@@ -283,7 +286,7 @@ def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, mon
     unbounded = round(LOOKAHEAD_WINDOWS * 16 * len(ds) / blocks)
     window = shard_bytes * 16 // blocks
     monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: shard_bytes // 4)  # streamed
-    reserved = 2 * (1 + SLOTS_BEYOND_PREFETCH) * ds.batch_bytes(4)  # 2 workers, prefetch 1, no pinning
+    reserved = pool_bytes(2, 1, ds.batch_bytes(4), pinned=False)  # 2 workers, prefetch 1, no pinning
     free = reserved + STREAM_SHARE * (window + 20 * shard_bytes // len(ds))
     monkeypatch.setattr(reader.loader, "free_memory", lambda: free)
     loader = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
@@ -293,15 +296,20 @@ def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, mon
     assert lookahead_samples(loader.view, 16, 8, reserved) == room
     assert loader.batch_sampler.lookahead_batches == -(-room // 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this node share the memory: each its part
+    monkeypatch.setattr(reader.loader, "_warned_short_of_memory", False)
     with pytest.warns(RuntimeWarning, match="for each of 2 ranks on this node"):  # not a window each now
         assert lookahead_samples(loader.view, 16, 8, reserved) == 0
     monkeypatch.setattr(reader.loader, "free_memory", lambda: 2 * free)
     assert lookahead_samples(loader.view, 16, 8, reserved) == room
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setattr(reader.loader, "free_memory", lambda: reserved + window)
+    monkeypatch.setattr(reader.loader, "_warned_short_of_memory", False)
     with pytest.warns(RuntimeWarning, match=r"under 3 read windows of this streamed dataset .*buffer_blocks x "
                       r"block_bytes.*PackedDataset\(block_bytes=\.\.\.\)"):
         starved = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once a process: a loader made again each epoch says nothing more
+        make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
     assert starved.batch_sampler.lookahead_batches == 0
     labels = [label for _, batch_labels in starved for label in batch_labels.tolist()]
     assert labels == ds.targets[starved.shard_sampler.rank_order()].tolist()  # slower, never wrong
