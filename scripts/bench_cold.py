@@ -2,7 +2,7 @@
 
     python scripts/bench_cold.py run --mnt MNT SET [SET ...] [--ffcv BETON [--ffcv-orders random,quasi_random]]
         [--epochs 1] [--orders quasi_random,random]
-        [--before CHECKOUT] [--mem SIZE]
+        [--before CHECKOUT] [--mem SIZE [--hold MB]]
 
 Each ``SET`` is a packed dataset on the slow disk (``scripts/slowdisk up``: 100 MB/s, 200 read IOPS, on
 cgroup v1 or v2; ``SLOWDISK`` names another such tool), written ``[LABEL=]PATH``. For each set: ``cat``
@@ -13,7 +13,8 @@ on ``PYTHONPATH``); ``--ffcv`` adds FFCV 1.0.2's loader (2 threads; ``--ffcv-ord
 ``os_cache=True`` and ``QUASI_RANDOM``, its two cold settings; from ``--ffcv-python``, a venv of its
 own, never a dependency of this project) over a ``.beton`` on the same disk; ``--mem`` runs the readers
 with ``SLOW_MEM`` (memory and page cache capped: a set larger than that is read from the disk every
-epoch).
+epoch); ``--hold MB`` makes each of our readers hold that much memory of its own first (as a CUDA
+context and a model would).
 
 Reported per run: img/s, seconds, the first batch's wait, what the disk served (bytes, the number and
 mean size of its IOs: ``slowdisk counters``, the block throttle's counters for the slow disk's
@@ -48,19 +49,25 @@ CAT = ["sh", "-c", 'cat "$@" > /dev/null', "cat"]  # the files follow
 FFCV_ORDERS = {"random": "RANDOM os_cache", "quasi_random": "QUASI_RANDOM"}
 
 
-def read_epochs(dataset: str, order: str, epochs: int, workers: int) -> list[dict]:
+def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: int = 0) -> list[dict]:
     """Per-epoch figures of ``make_loader`` over a packed dataset (the reader on ``sys.path``). On a machine
     with CUDA the loader pins its batches, and CUDA is started first, as a training script's model is
-    on the GPU before its first batch: else the first batch's wait would include CUDA's start."""
+    on the GPU before its first batch: else the first batch's wait would include CUDA's start. With
+    ``hold_mb`` the process first holds that much memory of its own (written, so resident), as a CUDA
+    context and a model would, before the loader is made."""
+    import numpy as np
     import torch
     from bench_ffcv import _epochs
 
     from reader import PackedDataset, make_loader
 
+    held = np.ones(hold_mb << 20, np.uint8)
     if torch.cuda.is_available():
         torch.empty(1).pin_memory()
     loader = make_loader(PackedDataset(dataset), BATCH, num_workers=workers, order=order)
-    return _epochs(loader, epochs, set_epoch=True, pids=lambda: [])
+    rows = _epochs(loader, epochs, set_epoch=True, pids=lambda: [])
+    del held  # held through the epochs
+    return rows
 
 
 def _python_path(checkout: str | Path) -> str:
@@ -135,7 +142,8 @@ def run(args: argparse.Namespace) -> None:
         for name, python, checkout in readers:
             for order in args.orders.split(","):
                 command = ["env", f"PYTHONPATH={_python_path(checkout or HERE.parents[1])}", python, str(HERE),
-                           "read", str(dataset), "--order", order, "--epochs", str(args.epochs)]
+                           "read", str(dataset), "--order", order, "--epochs", str(args.epochs),
+                           "--hold", str(args.hold)]
                 decoding = _decode_bound(dataset)
                 run_rows = _row(f"{name}, {order}", command, mnt, args.mem, payload, shard_bytes, rate,
                                 len(files))
@@ -273,6 +281,7 @@ def main() -> None:
     p.add_argument("--ffcv-orders", default="random,quasi_random",
                    help="FFCV's orders: random (RANDOM, os_cache), quasi_random (QUASI_RANDOM)")
     p.add_argument("--mem")
+    p.add_argument("--hold", type=int, default=0, help="MB each reader holds before its loader")
     p.add_argument("--json")
     for name in ("read", "ffcv", "decode"):
         p = sub.add_parser(name)
@@ -280,11 +289,12 @@ def main() -> None:
         p.add_argument("--order", default="quasi_random")
         p.add_argument("--epochs", type=int, default=1)
         p.add_argument("--workers", type=int, default=WORKERS)
+        p.add_argument("--hold", type=int, default=0)
     args = parser.parse_args()
     if args.command == "run":
         run(args)
     elif args.command == "read":
-        print(json.dumps(read_epochs(args.path, args.order, args.epochs, args.workers)))
+        print(json.dumps(read_epochs(args.path, args.order, args.epochs, args.workers, args.hold)))
     elif args.command == "decode":
         print(json.dumps(decode_alone(args.path, args.workers)))
     else:
