@@ -41,7 +41,7 @@ from reader.blocks import DEFAULT_BLOCK_BYTES, block_size
 from reader.decode_threads import DecodeThreads
 from reader.format import MANIFEST_NAME, FormatError, Manifest, encoding, load_manifest, load_shard_table
 from reader.format.fields import SOURCE
-from reader.format.jpeg_decode import PIXELS_PER_JPEG_BYTE, padded_size, placed_room, store_shift
+from reader.format.jpeg_decode import PIXELS_PER_JPEG_BYTE, padded_size, placed_room, placed_span
 from reader.format.shard_files import check_shard_file
 from reader.record_columns import RecordColumns
 from reader.record_fields import RecordFields
@@ -481,8 +481,7 @@ def _decode_target(allocate: Allocator, nbytes: int) -> torch.Tensor:
     writes with ordinary stores rather than past the cache (``reader.format.jpeg_decode``, "Where the
     pixels go")."""
     flat = allocate((placed_room(nbytes),))
-    shift = store_shift(flat.data_ptr())
-    return flat[shift:shift + nbytes]
+    return flat[placed_span(flat.data_ptr(), nbytes)]
 
 
 def _private_batch(shape: tuple[int, ...]) -> torch.Tensor:

@@ -145,8 +145,7 @@ def run(args: argparse.Namespace) -> None:
                            "read", str(dataset), "--order", order, "--epochs", str(args.epochs),
                            "--hold", str(args.hold)]
                 decoding = _decode_bound(dataset)
-                run_rows = _row(f"{name}, {order}", command, mnt, args.mem, payload, shard_bytes, rate,
-                                len(files))
+                run_rows = _row(f"{name}, {order}", command, mnt, args.mem, payload, rate)
                 after = _decode_bound(dataset)
                 rows.extend(_against_decoding(run_rows, decoding, after, bound))
     if args.ffcv:
@@ -161,8 +160,7 @@ def run(args: argparse.Namespace) -> None:
             command = [args.ffcv_python, str(HERE), "ffcv", str(beton), "--epochs", str(args.epochs),
                        "--order", order]
             # its bound: the whole file at the rate cat read it (the JPEG payloads and FFCV's index)
-            rows.extend(_row(f"FFCV 1.0.2, {FFCV_ORDERS[order]}", command, mnt, args.mem, size, size,
-                             size / seconds, 1))
+            rows.extend(_row(f"FFCV 1.0.2, {FFCV_ORDERS[order]}", command, mnt, args.mem, size, size / seconds))
     print("\n| reader, order | epoch | img/s | s | first batch s | read MB | IOs | mean IO KiB | MB/s "
           "| x payload bound | x decode bound | x bound |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
@@ -212,7 +210,7 @@ def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
 
     from reader import PackedDataset
     from reader.format import load_manifest
-    from reader.format.jpeg_decode import decode_jpeg_into, placed_room, store_shift
+    from reader.format.jpeg_decode import decode_jpeg_into, placed_room, placed_span
 
     if load_manifest(Path(dataset)).encoding != "jpeg":
         return None
@@ -224,8 +222,7 @@ def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
 
     def placed(height: int, width: int) -> np.ndarray:  # where the reader's batches put an image
         flat = np.empty(placed_room(3 * height * width), np.uint8)
-        shift = store_shift(flat.ctypes.data)
-        return flat[shift:shift + 3 * height * width].reshape(height, width, 3)
+        return flat[placed_span(flat.ctypes.data, 3 * height * width)].reshape(height, width, 3)
 
     def decode_all() -> None:
         buffers = {size: placed(*size) for size in set(sizes)}
@@ -243,8 +240,7 @@ def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
     return {"img_s": workers * len(arrays) / (time.perf_counter() - began), "records": len(source)}
 
 
-def _row(name: str, command: list[str], mnt: str, mem: str | None, payload: int, shard_bytes: int,
-         rate: float, shards: int) -> list[dict]:
+def _row(name: str, command: list[str], mnt: str, mem: str | None, payload: int, rate: float) -> list[dict]:
     """Run one reader (all its epochs in one process); the disk counters cover the whole run, so with
     several epochs they are shared out by what each epoch took (shown on the first row)."""
     seconds, nbytes, ios, out = measured(command, mnt, mem)

@@ -35,11 +35,11 @@ import simplejpeg
 from reader.format import turbojpeg
 
 STORE_ALIGNMENT = 32  # rows starting on this boundary are written with non-temporal stores (module doc)
+STORE_OFFSET = 16  # where a decode destination starts past such a boundary
 # About how many bytes of pixels a byte of JPEG decodes to, for a memory estimate where the decoded
 # sizes are not known (a set of varying shapes): the benchmark's q90 photo-like records at 224 px are
 # 14.9 KB stored and 150.5 KB decoded.
 PIXELS_PER_JPEG_BYTE = 10
-STORE_OFFSET = 16  # where a decode destination starts past such a boundary
 
 
 def store_shift(address: int) -> int:
@@ -52,6 +52,13 @@ def store_shift(address: int) -> int:
 def placed_room(nbytes: int) -> int:
     """The bytes to allocate for ``nbytes`` of decode destination to fit once shifted by ``store_shift``."""
     return nbytes + STORE_ALIGNMENT
+
+
+def placed_span(address: int, nbytes: int) -> slice:
+    """Where in a buffer of ``placed_room(nbytes)`` bytes starting at ``address`` its ``nbytes`` of decode
+    destination lie: from ``store_shift(address)``."""
+    shift = store_shift(address)
+    return slice(shift, shift + nbytes)
 
 
 def padded_size(nbytes: int) -> int:
