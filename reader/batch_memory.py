@@ -102,9 +102,9 @@ class _Pool:
 def pool_bytes(workers: int, prefetch: int, batch_bytes: int, pinned: bool) -> int:
     """The memory a loader's batch buffers take once its workers run, for ``reader.loader`` to set aside
     before any exists: per worker a slot for each batch in flight (``prefetch``) and
-    ``SLOTS_BEYOND_PREFETCH`` more, at most ``MAX_SLOTS``, each with its headroom; and, where batches
-    are pinned, two pinned copies in the main process (the one in use and the next)."""
-    slot = batch_bytes + batch_bytes // _HEADROOM
+    ``SLOTS_BEYOND_PREFETCH`` more, at most ``MAX_SLOTS``, each with its headroom and trailer; and,
+    where batches are pinned, two pinned copies in the main process (the one in use and the next)."""
+    slot = batch_bytes + batch_bytes // _HEADROOM + TRAILER
     return workers * min(prefetch + SLOTS_BEYOND_PREFETCH, MAX_SLOTS) * slot + (2 * batch_bytes if pinned else 0)
 
 
@@ -230,6 +230,11 @@ class SlotReleaser:
             state[KNOWN_BYTE] = 1
         trailer.numpy()[STATE_BYTE] = RECEIVED
         return batch
+
+    def slot_bytes(self) -> int:
+        """The bytes of every slot this process has received a batch in (what ``pool_bytes`` set aside
+        that exists now, pinned copies apart)."""
+        return sum(trailer.untyped_storage().nbytes() for trailer in self._trailers.values())
 
     def release_unused(self) -> None:
         """Mark free every received slot that no tensor in this process refers to any more."""

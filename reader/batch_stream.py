@@ -20,6 +20,9 @@ it can tell the dataset which records come next. With an ``advise`` callable and
 ones at once, when the stream starts). ``PackedDataset.advise`` then starts reading those records'
 blocks, so on a slow disk the next window of quasi-random blocks is read while the workers decode the
 current one, instead of only once a worker misses in it. The batches yielded are the same either way.
+The lookahead may be a callable, asked again at every batch: a streamed loader's follows the memory
+free as the job runs (``reader.lookahead.Lookahead``). When it shrinks, the batches beyond it are
+yielded at once; when it grows, batches are advised before the next is yielded.
 
 Record tables further ahead (optional, with ``read_tables``): advising a batch needs the record tables
 of its shards, and a table read only then waits behind every block advised before it, while the
@@ -46,6 +49,7 @@ from reader.sampler import ShardSampler
 from reader.streamed_blocks import StreamPosition
 
 TABLE_LEAD = 2  # lookaheads between a batch's ``read_tables`` and its ``advise`` (module docstring)
+Samples = int | Callable[[], int]  # a lookahead: a number of samples, or what gives it now
 
 
 class BatchStream(Sampler[list[int]]):
@@ -58,7 +62,8 @@ class BatchStream(Sampler[list[int]]):
     batch's indices as a numpy array and its ``StreamPosition``: its number in this ``endless()``, its
     pass's, and how many batches the DataLoader has received, given that it holds ``in_flight`` batches
     beyond those (``reader.streamed_blocks``)) sees
-    every batch of ``endless()`` ``ceil(lookahead / batch_size)`` batches before it is yielded, and
+    every batch of ``endless()`` ``ceil(lookahead / batch_size)`` batches before it is yielded
+    (``lookahead``: samples, or a callable giving them, asked at every batch), and
     ``read_tables`` (called with a batch's indices) ``TABLE_LEAD`` times as many batches (at least
     ``TABLE_LEAD``) before that
     (see the module docstring).
@@ -76,7 +81,7 @@ class BatchStream(Sampler[list[int]]):
         *,
         advise: Callable[[np.ndarray, StreamPosition], None] | None = None,
         read_tables: Callable[[np.ndarray], None] | None = None,
-        lookahead: int = 0,
+        lookahead: Samples = 0,
         in_flight: int = 0,
     ) -> None:
         if not isinstance(sampler, ShardSampler):
@@ -86,7 +91,7 @@ class BatchStream(Sampler[list[int]]):
                 "sampler. make_loader already splits every epoch between the ranks (seeded, resumable): keep it "
                 "as is with Trainer(use_distributed_sampler=False)")
         batch_size = whole_number("batch_size", batch_size, 1)
-        if lookahead < 0:
+        if isinstance(lookahead, int) and lookahead < 0:
             raise ValueError(f"lookahead must be 0 or more samples, got {lookahead}")
         if in_flight < 0:
             raise ValueError(f"in_flight must be 0 or more batches, got {in_flight}")
@@ -96,8 +101,16 @@ class BatchStream(Sampler[list[int]]):
         self.epoch_step = 1
         self.advise = advise
         self.read_tables = read_tables
-        self.lookahead_batches = -(-lookahead // batch_size) if advise is not None else 0
+        self.lookahead = lookahead
         self.in_flight = in_flight
+
+    @property
+    def lookahead_batches(self) -> int:
+        """How many batches ahead of the one yielded the stream advises now (0 without ``advise``)."""
+        if self.advise is None:
+            return 0
+        samples = self.lookahead() if callable(self.lookahead) else self.lookahead
+        return -(-samples // self.batch_size)
 
     def __len__(self) -> int:
         return self.batches_done() + self.batches_left()
@@ -133,7 +146,6 @@ class BatchStream(Sampler[list[int]]):
             for _, batch in batches:
                 yield batch.tolist()
             return
-        tables_lead = TABLE_LEAD * max(self.lookahead_batches, 1) if self.read_tables is not None else 0
         coming: deque[tuple[int, np.ndarray]] = deque()  # tables asked for, not advised yet
         ahead: deque[np.ndarray] = deque()  # advised, not yielded yet
         advised = yielded = 0
@@ -149,11 +161,13 @@ class BatchStream(Sampler[list[int]]):
             if self.read_tables is not None:
                 self.read_tables(batch)
             coming.append((number, batch))
-            if len(coming) > tables_lead:
+            lookahead = self.lookahead_batches
+            tables_lead = TABLE_LEAD * max(lookahead, 1) if self.read_tables is not None else 0
+            while len(coming) > tables_lead:
                 advise_next()
-                if len(ahead) > self.lookahead_batches:
-                    yield ahead.popleft().tolist()
-                    yielded += 1
+            while len(ahead) > lookahead:
+                yield ahead.popleft().tolist()
+                yielded += 1
         while coming:
             advise_next()
         while ahead:

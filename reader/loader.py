@@ -7,8 +7,8 @@ Workers are persistent, so shard descriptors and batch buffers stay warm from on
 and their prefetch runs on into the next epoch (``reader.batch_stream``), so an epoch does not start
 with a stall.
 On a slow disk the main process also advises the blocks of batches about one and a half windows of
-quasi-random blocks ahead of the workers (``reader.batch_stream``), so the disk reads the next window
-while the workers decode the current one.
+quasi-random blocks ahead of the workers (``reader.batch_stream``, ``reader.lookahead``), so the disk
+reads the next window while the workers decode the current one.
 Batch buffers are shared-memory slots that go back to their worker once the batch is no longer used
 in the main process (``reader.batch_memory``), so no batch pays for fresh pages.
 """
@@ -20,7 +20,6 @@ import gc
 import os
 import threading
 import time
-import warnings
 from typing import Any, Callable, Iterator, Sequence, cast
 
 import numpy as np
@@ -31,20 +30,14 @@ from reader.arguments import whole_number
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, pool_bytes, received_labels
 from reader.batch_stream import BatchStream
 from reader.list_batches import is_encoded, moved_together
-from reader.memory_budget import free_memory, page_cache_budget
-from reader.packed_view import PackedView, as_view, check_own_reads
+from reader.lookahead import Lookahead
+from reader.memory_budget import page_cache_budget
+from reader.packed_view import PackedView, check_own_reads
+from reader.ranks import ranks_on_this_node
 from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
 from reader.torch_hooks import HookedDataLoader
 
 MAX_DEFAULT_WORKERS = 8
-# How far ahead of the workers the main process advises blocks, in windows of ``buffer_blocks``
-# blocks: over one, so that the next window's reads are always queued while the current one is read,
-# with room for windows of uneven size.
-LOOKAHEAD_WINDOWS = 1.5
-# A streamed loader's blocks (the window its workers read and those advised ahead) take at most this
-# share of the memory free for the page cache (``lookahead_samples`` says why).
-STREAM_SHARE = 3
-_warned_short_of_memory = False  # the warning of ``lookahead_samples`` comes once a process
 # How long a worker that ends waits for its data queue's feeder thread (``start_worker``): it sends the
 # batches already queued in milliseconds; it takes longer only when blocked on a full pipe the main
 # process no longer reads, and then it blocks outside torch, where ending it is harmless.
@@ -55,12 +48,6 @@ def default_num_workers() -> int:
     """The cores this process may use, shared among the ranks on this node, at most 8."""
     cores = len(os.sched_getaffinity(0))
     return max(1, min(MAX_DEFAULT_WORKERS, cores // ranks_on_this_node()))
-
-
-def ranks_on_this_node() -> int:
-    """The training processes on this node that share its cores and memory (``LOCAL_WORLD_SIZE``, which
-    torchrun, accelerate and Lightning set; 1 without it)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 Batch = tuple  # (images: uint8 [B,3,H,W] or B x [3,H,W], labels: int64 [B], *extras with first dim B)
@@ -110,6 +97,7 @@ class PackedLoader(HookedDataLoader):
         self.fields = list(fields) if fields is not None else None
         self._pin_batches = pin_batches
         self._releaser = SlotReleaser()
+        self._pinned_bytes: list[int] = []  # the first two pinned batches' bytes (``buffer_bytes_made``)
         self._yielded = 0
         self._epoch_start = self.shard_sampler.start
         self._stream_next: tuple[int, int] | None = None
@@ -133,6 +121,17 @@ class PackedLoader(HookedDataLoader):
     def source(self) -> Dataset:
         """The dataset given to ``make_loader`` (``dataset`` is the ``PackedView`` the workers read)."""
         return self.view.source
+
+    def buffer_bytes_made(self) -> int:
+        """How much of the batch memory ``pool_bytes`` sets aside for this loader exists now: the slots
+        batches came in, and the pinned copies (two in use at once: the first two batches pinned)."""
+        return self.buffer_bytes_counter()()
+
+    def buffer_bytes_counter(self) -> Callable[[], int]:
+        """``buffer_bytes_made`` as a callable that holds no reference to the loader, for its
+        ``Lookahead``: the loader holds that, and a cycle would keep a discarded loader's workers alive
+        until the cyclic garbage collector ran."""
+        return functools.partial(_bytes_made, self._releaser, self._pinned_bytes)
 
     def index_batches(self) -> "_EndlessBatches":
         """The endless stream, so that workers prefetch across epochs (the class docstring)."""
@@ -187,6 +186,10 @@ class PackedLoader(HookedDataLoader):
                 batch = (*batch, torch.from_numpy(share[0][taken]), torch.from_numpy(share[1][taken]))
             if self._pin_batches:
                 batch = (_pinned(batch[0]), *(tensor.pin_memory() for tensor in batch[1:]))
+                if len(self._pinned_bytes) < 2:
+                    images = batch[0]
+                    self._pinned_bytes.append(images.nbytes if isinstance(images, torch.Tensor)
+                                              else sum(image.nbytes for image in images))
             self._releaser.release_unused()
             taken = slice(start + self._yielded, start + self._yielded + len(batch[1]))
             self._yielded += len(batch[1])
@@ -223,6 +226,10 @@ class _EndlessBatches:
 
     def __len__(self) -> int:
         return len(self.stream)
+
+
+def _bytes_made(releaser: SlotReleaser, pinned_bytes: list[int]) -> int:
+    return releaser.slot_bytes() + sum(pinned_bytes)
 
 
 def _received(releaser: SlotReleaser, data: Batch) -> Batch:
@@ -289,8 +296,9 @@ def make_loader(
     ``ConcatDataset`` must agree on each such field's type (else ``ValueError``).
 
     With workers and a dataset that reads ahead (``readahead``), the main process advises
-    each batch's blocks ``lookahead_samples(...)`` samples before the workers get it, and asks for the
-    record tables of its shards further ahead still (``reader.batch_stream``).
+    each batch's blocks about one and a half windows before the workers get it, less where a streamed
+    dataset's memory is short (``reader.lookahead``), and asks for the record tables of its shards
+    further ahead still (``reader.batch_stream``).
     """
     if evaluation and (drop_last or not pad):
         raise ValueError("make_loader(evaluation=True) covers every sample exactly once: it needs "
@@ -315,8 +323,8 @@ def make_loader(
     in_flight = workers * (prefetch or 0)  # batches the DataLoader's workers hold beyond those received
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     reserved = pool_bytes(workers, prefetch or 0, view.batch_bytes_estimate(batch_size), pin)
-    lookahead = lookahead_samples(view, buffer_blocks, in_flight * batch_size, reserved) if advise else 0
-    return PackedLoader(
+    lookahead = Lookahead(view, buffer_blocks, in_flight * batch_size, reserved) if advise else 0
+    loader = PackedLoader(
         view,
         batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead,
                                   read_tables=view.read_tables_ahead if advise else None, in_flight=in_flight),
@@ -330,6 +338,9 @@ def make_loader(
         multiprocessing_context=multiprocessing_context,
         fields=fields,
     )
+    if isinstance(lookahead, Lookahead):
+        lookahead.made = loader.buffer_bytes_counter()
+    return loader
 
 
 def start_worker(worker_id: int, batch_nbytes: int | None = None) -> None:
@@ -372,47 +383,3 @@ def _join_queue_feeders() -> None:
     for thread in threading.enumerate():
         if thread.name == "QueueFeederThread" and thread is not threading.current_thread():
             thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, reserved: int = 0) -> int:
-    """``LOOKAHEAD_WINDOWS`` windows of ``buffer_blocks`` of the dataset's blocks, in samples; for a
-    streamed view (``PackedView.streaming``) at most what keeps the window the workers read, the
-    ``in_flight`` samples they were given and the blocks advised ahead within a ``STREAM_SHARE``-th of
-    the memory free for the page cache (``free_memory``) once ``reserved`` bytes (the batch buffers the
-    loader is about to make) are set aside, each rank on this node (``ranks_on_this_node``) counted with
-    its own buffers and share. Where that share does not hold even one window, a ``RuntimeWarning``
-    says so and what to change, once a process (a loader made each epoch would repeat it).
-
-    Why the bound: under a memory cap, the kernel evicts blocks advised ahead before they are used,
-    and every record of them is then read again on its own, at the disk's IOPS; it starts well before
-    the blocks alone fill the free memory, since what it reclaims first is what was advised and not
-    yet read. Measured with 96,000 JPEG records (1.4 GB, 90 MB windows) on the slow disk
-    (``scripts/bench_cold.py --mem``), epoch 1: under a 1,500 MB cap 134 MB advised ahead read at
-    1.15x the disk's time, bound by the two cores; under 900 MB (about 300 MB left for the page cache
-    once the workers run), 11-53 MB ahead read 3,950-5,440 img/s, 92 MB 1,260 and 134 MB 472. A third
-    gives 31 MB ahead there and 130 MB under 1,500 MB. (Before, a quarter of the cap was allowed, more
-    than is free where the loader's own batch slots or a CUDA process take most of it.)
-    """
-    global _warned_short_of_memory
-    view = as_view(dataset)
-    blocks = max(view.block_groups().block_count, 1)
-    samples = round(LOOKAHEAD_WINDOWS * buffer_blocks * len(view) / blocks)
-    if view.streaming:
-        shard_bytes = max(view.shard_bytes(), 1)
-        ranks = ranks_on_this_node()
-        free = (free_memory() - ranks * reserved) // ranks  # this rank's part
-        window = shard_bytes * min(buffer_blocks, blocks) // blocks
-        if free // STREAM_SHARE < window and not _warned_short_of_memory:
-            _warned_short_of_memory = True
-            warnings.warn(
-                f"make_loader: the memory free for the page cache ({max(free, 0) >> 20} MiB once the "
-                f"loader's batch buffers, {reserved >> 20} MiB, are set aside"
-                f"{f', for each of {ranks} ranks on this node' if ranks > 1 else ''}) is under {STREAM_SHARE} read "
-                f"windows of this streamed dataset ({window >> 20} MiB each: buffer_blocks x block_bytes): "
-                "blocks read ahead will be evicted before they are read, and records read one by one at "
-                "the disk's IOPS. Give the job more memory, or pass PackedDataset(block_bytes=...) or "
-                "make_loader(buffer_blocks=...) smaller, or fewer workers or a smaller batch",
-                RuntimeWarning, stacklevel=3)
-        room = (free // STREAM_SHARE - window) * len(view) // shard_bytes - in_flight
-        samples = max(0, min(samples, room))
-    return samples

@@ -2,6 +2,8 @@
 every reader class."""
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from reader.arguments import whole_number
@@ -27,3 +29,9 @@ def share_per_rank(count: int, world_size: int, pad: bool) -> int:
     contiguous slice of it, this many samples long. Every rank gets the same number (no DDP hang at an
     epoch's end), and contiguous slices keep each rank's reads sequential."""
     return -(-count // world_size) if pad else count // world_size
+
+
+def ranks_on_this_node() -> int:
+    """The training processes on this node that share its cores and memory (``LOCAL_WORLD_SIZE``, which
+    torchrun, accelerate and Lightning set; 1 without it)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -2,7 +2,7 @@
 
     python scripts/bench_cold.py run --mnt MNT SET [SET ...] [--ffcv BETON [--ffcv-orders random,quasi_random]]
         [--epochs 1] [--orders quasi_random,random]
-        [--before CHECKOUT] [--mem SIZE [--hold MB]]
+        [--before CHECKOUT] [--mem SIZE [--hold MB] [--grow MB]]
 
 Each ``SET`` is a packed dataset on the slow disk (``scripts/slowdisk up``: 100 MB/s, 200 read IOPS, on
 cgroup v1 or v2; ``SLOWDISK`` names another such tool), written ``[LABEL=]PATH``. For each set: ``cat``
@@ -14,7 +14,9 @@ on ``PYTHONPATH``); ``--ffcv`` adds FFCV 1.0.2's loader (2 threads; ``--ffcv-ord
 own, never a dependency of this project) over a ``.beton`` on the same disk; ``--mem`` runs the readers
 with ``SLOW_MEM`` (memory and page cache capped: a set larger than that is read from the disk every
 epoch); ``--hold MB`` makes each of our readers hold that much memory of its own first (as a CUDA
-context and a model would).
+context and a model would), ``--grow MB`` right after its first batch (as memory a training job takes
+once it runs would: a model moved to the GPU after the loader was made, CUDA's context started by the
+first batch's ``.cuda()``).
 
 Reported per run: img/s, seconds, the first batch's wait, what the disk served (bytes, the number and
 mean size of its IOs: ``slowdisk counters``, the block throttle's counters for the slow disk's
@@ -49,12 +51,14 @@ CAT = ["sh", "-c", 'cat "$@" > /dev/null', "cat"]  # the files follow
 FFCV_ORDERS = {"random": "RANDOM os_cache", "quasi_random": "QUASI_RANDOM"}
 
 
-def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: int = 0) -> list[dict]:
+def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: int = 0,
+                grow_mb: int = 0) -> list[dict]:
     """Per-epoch figures of ``make_loader`` over a packed dataset (the reader on ``sys.path``). On a machine
     with CUDA the loader pins its batches, and CUDA is started first, as a training script's model is
     on the GPU before its first batch: else the first batch's wait would include CUDA's start. With
     ``hold_mb`` the process first holds that much memory of its own (written, so resident), as a CUDA
-    context and a model would, before the loader is made."""
+    context and a model would, before the loader is made; with ``grow_mb`` it takes that much more
+    once it has received its first batch (``GrowsAtFirstBatch``)."""
     import numpy as np
     import torch
     from bench_ffcv import _epochs
@@ -65,9 +69,31 @@ def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: in
     if torch.cuda.is_available():
         torch.empty(1).pin_memory()
     loader = make_loader(PackedDataset(dataset), BATCH, num_workers=workers, order=order)
-    rows = _epochs(loader, epochs, set_epoch=True, pids=lambda: [])
-    del held  # held through the epochs
+    grown = GrowsAtFirstBatch(loader, grow_mb)
+    rows = _epochs(grown, epochs, set_epoch=True, pids=lambda: [])
+    del held, grown  # held through the epochs
     return rows
+
+
+class GrowsAtFirstBatch:
+    """A loader's epochs, taking ``grow_mb`` MB of memory (written, so resident) once its first batch is
+    received: the memory a training job takes after its loader started reading."""
+
+    def __init__(self, loader, grow_mb: int) -> None:
+        self.loader = loader
+        self.grow_mb = grow_mb
+        self.held = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self):
+        import numpy as np
+
+        for batch in self.loader:
+            yield batch
+            if self.held is None and self.grow_mb:
+                self.held = np.ones(self.grow_mb << 20, np.uint8)
 
 
 def _python_path(checkout: str | Path) -> str:
@@ -143,7 +169,7 @@ def run(args: argparse.Namespace) -> None:
             for order in args.orders.split(","):
                 command = ["env", f"PYTHONPATH={_python_path(checkout or HERE.parents[1])}", python, str(HERE),
                            "read", str(dataset), "--order", order, "--epochs", str(args.epochs),
-                           "--hold", str(args.hold)]
+                           "--hold", str(args.hold), "--grow", str(args.grow)]
                 decoding = _decode_bound(dataset)
                 run_rows = _row(f"{name}, {order}", command, mnt, args.mem, payload, rate)
                 after = _decode_bound(dataset)
@@ -278,6 +304,7 @@ def main() -> None:
                    help="FFCV's orders: random (RANDOM, os_cache), quasi_random (QUASI_RANDOM)")
     p.add_argument("--mem")
     p.add_argument("--hold", type=int, default=0, help="MB each reader holds before its loader")
+    p.add_argument("--grow", type=int, default=0, help="MB each reader takes after its first batch")
     p.add_argument("--json")
     for name in ("read", "ffcv", "decode"):
         p = sub.add_parser(name)
@@ -286,11 +313,13 @@ def main() -> None:
         p.add_argument("--epochs", type=int, default=1)
         p.add_argument("--workers", type=int, default=WORKERS)
         p.add_argument("--hold", type=int, default=0)
+        p.add_argument("--grow", type=int, default=0)
     args = parser.parse_args()
     if args.command == "run":
         run(args)
     elif args.command == "read":
-        print(json.dumps(read_epochs(args.path, args.order, args.epochs, args.workers, args.hold)))
+        print(json.dumps(read_epochs(args.path, args.order, args.epochs, args.workers, args.hold,
+                                     args.grow)))
     elif args.command == "decode":
         print(json.dumps(decode_alone(args.path, args.workers)))
     else:

@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import io
+import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 import packer
 from reader.format import DatasetWriter
+from reader.memory_budget import CGROUP_ROOT
 
 CLASSES = ["cat", "dog", "eel"]
 JPEG_QUALITY = 95
@@ -104,3 +108,22 @@ def write_dataset(
 def chw(image: np.ndarray) -> np.ndarray:
     """A source image (HWC) in the reader's layout (CHW)."""
     return np.ascontiguousarray(image.transpose(2, 0, 1))
+
+
+def memory_cgroup(limit: int) -> Path:
+    """A new memory cgroup capped at ``limit`` bytes (v1 or v2); skips where none can be made."""
+    name = f"packed-images-test-{uuid.uuid4().hex[:8]}"
+    candidates = ((CGROUP_ROOT / "memory" / name, "memory.limit_in_bytes"), (CGROUP_ROOT / name, "memory.max"))
+    for group, limit_file in candidates:
+        if not group.parent.is_dir() or not os.access(group.parent, os.W_OK):
+            continue
+        try:
+            group.mkdir()
+        except OSError:
+            continue
+        try:
+            (group / limit_file).write_text(str(limit))
+            return group
+        except OSError:
+            group.rmdir()
+    pytest.skip("no memory cgroup can be created here (not root, or cgroups mounted read-only)")

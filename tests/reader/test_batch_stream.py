@@ -10,8 +10,8 @@ import pytest
 from reader_helpers import SMALL_RAW_COUNT as COUNT
 
 from reader import PackedDataset, make_loader
-from reader.batch_stream import TABLE_LEAD, BatchStream
-from reader.loader import LOOKAHEAD_WINDOWS, lookahead_samples
+from reader.batch_stream import TABLE_LEAD, BatchStream, Samples
+from reader.lookahead import LOOKAHEAD_WINDOWS, lookahead_samples
 from reader.sampler import ShardSampler
 from reader.streamed_blocks import StreamPosition
 
@@ -22,7 +22,7 @@ class Stream:
     """A quasi-random BatchStream over the dataset and the (step, indices) of every advise call, where
     step is how many batches the stream had yielded when the call came."""
 
-    def __init__(self, path: Path, lookahead: int, drop_last: bool = False, in_flight: int = 0) -> None:
+    def __init__(self, path: Path, lookahead: Samples, drop_last: bool = False, in_flight: int = 0) -> None:
         self.sampler = ShardSampler(PackedDataset(path), seed=3, buffer_blocks=2)
         self.calls: list[tuple[int, list[int]]] = []
         self.yielded = 0
@@ -70,6 +70,31 @@ def test_each_batch_is_advised_one_lookahead_before_it_is_yielded(raw_path):
     assert advised[:25] == batches
     for k, (step, _) in enumerate(stream.calls):
         assert step == max(0, k - ahead)
+
+
+def test_a_lookahead_that_changes_as_the_stream_runs(raw_path):
+    """A callable lookahead (a streamed loader's follows the free memory) is asked at every batch. When it
+    shrinks, the batches beyond it are yielded at once; when it grows, batches are advised before the
+    next is yielded. Every batch is the same as without advice and advised before it is yielded, and
+    the last batch yielded on each answer leaves exactly that many batches advised beyond it."""
+    plan = [3, 3, 3, 0, 0, 5, 5, 5, 5, 5, 5, 1, 2, 4, 4, 4, 4, 0, 6, 6, 6, 6, 6, 6, 6, 2]
+    answers: list[int] = []
+
+    def lookahead() -> int:
+        answers.append(plan[len(answers)] if len(answers) < len(plan) else 2)
+        return answers[-1] * BATCH
+
+    stream = Stream(raw_path, lookahead=lookahead)
+    yields: list[tuple[int, int]] = []  # per yielded batch: the answer it was yielded on, batches advised beyond it
+    for k, _ in enumerate(islice(stream.stream.endless(), 40)):
+        yields.append((len(answers) - 1, len(stream.calls) - (k + 1)))
+        stream.yielded += 1
+    assert [indices for _, indices in stream.calls][:40] == plain_batches(stream.sampler, 40)
+    assert all(step <= k for k, (step, _) in enumerate(stream.calls))  # advised before it was yielded
+    assert all(beyond >= answers[asked] for asked, beyond in yields)
+    last_on_each_answer = {asked: beyond for asked, beyond in yields}
+    assert all(beyond == answers[asked] for asked, beyond in last_on_each_answer.items())
+    assert 0 in last_on_each_answer.values() and 6 in last_on_each_answer.values()
 
 
 @pytest.mark.parametrize("ahead", [3, 0])

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 from hostile_helpers import subprocess_env
+from reader_helpers import memory_cgroup
 
-from reader.memory_budget import CGROUP_ROOT, cgroup_memory_limit, free_memory, page_cache_budget
+from reader.memory_budget import cgroup_memory_limit, free_memory, page_cache_budget
 
 TIMEOUT_S = 60
 NO_LIMIT_V1 = 9223372036854771712
@@ -79,25 +79,6 @@ def test_no_cgroup_means_half_the_ram(tmp_path):
     assert cgroup_memory_limit(tmp_path / "proc", tmp_path / "empty") is None
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert page_cache_budget() <= ram // 2
-
-
-def memory_cgroup(limit: int) -> Path:
-    """A new memory cgroup capped at ``limit`` bytes (v1 or v2); skips where none can be made."""
-    name = f"packed-images-test-{uuid.uuid4().hex[:8]}"
-    candidates = ((CGROUP_ROOT / "memory" / name, "memory.limit_in_bytes"), (CGROUP_ROOT / name, "memory.max"))
-    for group, limit_file in candidates:
-        if not group.parent.is_dir() or not os.access(group.parent, os.W_OK):
-            continue
-        try:
-            group.mkdir()
-        except OSError:
-            continue
-        try:
-            (group / limit_file).write_text(str(limit))
-            return group
-        except OSError:
-            group.rmdir()
-    pytest.skip("no memory cgroup can be created here (not root, or cgroups mounted read-only)")
 
 
 def test_a_process_under_a_real_memory_limit_budgets_half_of_it():

@@ -18,11 +18,12 @@ import pytest
 from reader_helpers import make_images, pack_images
 
 import reader.loader
+import reader.lookahead
 import reader.mapped_copy
 import reader.shard_io
 from reader import PackedDataset, make_loader
 from reader.batch_memory import pool_bytes
-from reader.loader import LOOKAHEAD_WINDOWS, STREAM_SHARE, lookahead_samples
+from reader.lookahead import LOOKAHEAD_WINDOWS, STREAM_SHARE, lookahead_samples
 from reader.packed_view import PackedView
 from reader.shard_io import MAX_READAHEAD_BLOCKS
 from reader.streamed_blocks import StreamedBlocks, StreamPosition
@@ -262,11 +263,11 @@ def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypa
     if budget_share:  # room to advise a quarter of the set beyond the window (the whole set here)
         reserved = pool_bytes(2, 1, ds.batch_bytes(BATCH), pinned=False)
         total = ds.manifest.total_bytes
-        monkeypatch.setattr(reader.loader, "free_memory", lambda: reserved + STREAM_SHARE * (total + total // 4))
+        monkeypatch.setattr(reader.lookahead, "free_memory", lambda: reserved + STREAM_SHARE * (total + total // 4))
         streaming, indices, found = dropped_as_received(ds)
     else:  # no memory free for the page cache: no advice ahead, and a warning says why
-        monkeypatch.setattr(reader.loader, "free_memory", lambda: 0)
-        monkeypatch.setattr(reader.loader, "_warned_short_of_memory", False)
+        monkeypatch.setattr(reader.lookahead, "free_memory", lambda: 0)
+        monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
         with pytest.warns(RuntimeWarning, match="memory free for the page cache"):
             streaming, indices, found = dropped_as_received(ds)
     assert streaming and indices == list(range(COUNT))
@@ -288,7 +289,7 @@ def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, mon
     monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: shard_bytes // 4)  # streamed
     reserved = pool_bytes(2, 1, ds.batch_bytes(4), pinned=False)  # 2 workers, prefetch 1, no pinning
     free = reserved + STREAM_SHARE * (window + 20 * shard_bytes // len(ds))
-    monkeypatch.setattr(reader.loader, "free_memory", lambda: free)
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: free)
     loader = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
     assert loader.view.streaming
     room = ((free - reserved) // STREAM_SHARE - window) * len(ds) // shard_bytes - 2 * 1 * 4
@@ -296,21 +297,22 @@ def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, mon
     assert lookahead_samples(loader.view, 16, 8, reserved) == room
     assert loader.batch_sampler.lookahead_batches == -(-room // 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this node share the memory: each its part
-    monkeypatch.setattr(reader.loader, "_warned_short_of_memory", False)
+    monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
     with pytest.warns(RuntimeWarning, match="for each of 2 ranks on this node"):  # not a window each now
         assert lookahead_samples(loader.view, 16, 8, reserved) == 0
-    monkeypatch.setattr(reader.loader, "free_memory", lambda: 2 * free)
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: 2 * free)
     assert lookahead_samples(loader.view, 16, 8, reserved) == room
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    monkeypatch.setattr(reader.loader, "free_memory", lambda: reserved + window)
-    monkeypatch.setattr(reader.loader, "_warned_short_of_memory", False)
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: reserved + window)
+    monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
+    starved = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
     with pytest.warns(RuntimeWarning, match=r"under 3 read windows of this streamed dataset .*buffer_blocks x "
                       r"block_bytes.*PackedDataset\(block_bytes=\.\.\.\)"):
-        starved = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
+        assert starved.batch_sampler.lookahead_batches == 0  # measured when the stream starts
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once a process: a loader made again each epoch says nothing more
-        make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
-    assert starved.batch_sampler.lookahead_batches == 0
+        again = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
+        assert again.batch_sampler.lookahead_batches == 0
     labels = [label for _, batch_labels in starved for label in batch_labels.tolist()]
     assert labels == ds.targets[starved.shard_sampler.rank_order()].tolist()  # slower, never wrong
 

@@ -1,0 +1,156 @@
+"""A loader's lookahead: measured when its stream starts, not when it is made; for a streamed dataset
+measured again as it streams, following the free memory down and back up, never above its start.
+
+The schedule is checked against a free memory set by the test; the real thing on a process in a real
+memory cgroup that takes most of its free memory while its lookahead is asked for.
+"""
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+from hostile_helpers import subprocess_env
+from reader_helpers import make_images, memory_cgroup, pack_images
+
+import reader.loader
+import reader.lookahead
+from reader import PackedDataset, make_loader
+from reader.batch_memory import TRAILER
+from reader.lookahead import LOOKAHEAD_WINDOWS, STREAM_SHARE, Lookahead, lookahead_samples
+from reader.packed_view import PackedView
+
+TIMEOUT_S = 60
+RECORDS = 200
+
+
+@pytest.fixture(scope="module")
+def large_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """200 raw 256x256 records (39 MB) in one LMDB shard."""
+    images = make_images(4, [(256, 256)]) * (RECORDS // 4)
+    return pack_images(tmp_path_factory.mktemp("large") / "packed", images, [i % 3 for i in range(RECORDS)],
+                       storage="lmdb", encoding="raw", records_per_shard=RECORDS).path
+
+
+def streamed(path: Path) -> PackedView:
+    view = PackedView(PackedDataset(path, block_bytes=1))  # one record a block
+    view.streaming = True
+    return view
+
+
+def test_measured_at_the_stream_s_start_then_again_never_above_it(large_records, monkeypatch):
+    """Nothing is measured when the loader is made. Each reading, the first when the stream starts and
+    then one every ``REMEASURE_S``, sets aside the batch buffers not made yet (``made``); the lookahead
+    follows the free memory down (with the warning once a window no longer fits) and back up, never
+    above the first reading."""
+    view = streamed(large_records)
+    shard_bytes = view.shard_bytes()
+    record = shard_bytes // RECORDS
+    window = shard_bytes * 16 // RECORDS
+    reserved = 50 * record
+    readings: list[int] = []
+    free = reserved + STREAM_SHARE * (window + 20 * record)
+
+    def measured() -> int:
+        readings.append(free)
+        return free
+
+    monkeypatch.setattr(reader.lookahead, "free_memory", measured)
+    lookahead = Lookahead(view, 16, 8, reserved)
+    assert readings == []
+    first = lookahead()
+    assert first == lookahead_samples(view, 16, 8, reserved) and 0 < first < round(LOOKAHEAD_WINDOWS * 16)
+    assert lookahead() == first and len(readings) == 2  # not again before REMEASURE_S
+    monkeypatch.setattr(reader.lookahead, "REMEASURE_S", 0.0)
+    free -= reserved // 2  # half the buffers made: taken from the free memory, no longer set aside
+    lookahead.made = lambda: reserved // 2
+    assert lookahead() == first
+    free = STREAM_SHARE * (window + 14 * record)  # all made, and memory taken besides
+    lookahead.made = lambda: reserved
+    assert lookahead() == lookahead_samples(view, 16, 8) and 0 < lookahead() < first
+    free = STREAM_SHARE * window - 1  # not a window
+    monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
+    with pytest.warns(RuntimeWarning, match=r"memory free for the page cache \(\d+ MiB with all the loader.s "
+                      "batch buffers made"):
+        assert lookahead() == 0
+    free = 100 * shard_bytes
+    assert lookahead() == first
+
+
+def test_a_dataset_that_is_not_streamed_is_measured_once(large_records, monkeypatch):
+    view = streamed(large_records)
+    view.streaming = False
+    monkeypatch.setattr(reader.lookahead, "REMEASURE_S", 0.0)
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: pytest.fail("measured"))
+    lookahead = Lookahead(view, 16, 8, 1 << 30)
+    assert lookahead() == lookahead() == round(LOOKAHEAD_WINDOWS * 16)
+
+
+def test_under_a_real_memory_limit_the_lookahead_follows_what_the_process_takes(large_records):
+    """A process in a real memory cgroup (1 GiB) asks a streamed view's lookahead (one window: the whole
+    39 MB set) as it takes memory: 1.5 windows at the start; less once it holds all but about 200 MB of
+    what was free; nothing, with the warning, at all but about 60 MB; all again once it lets go."""
+    group = memory_cgroup(1 << 30)
+    code = """
+import sys, time, warnings
+import numpy as np
+from reader import PackedDataset
+from reader.lookahead import REMEASURE_S, Lookahead
+from reader.memory_budget import free_memory
+from reader.packed_view import PackedView
+view = PackedView(PackedDataset(sys.argv[1], block_bytes=1))
+view.streaming = True
+lookahead = Lookahead(view, len(view), 0, 0)
+answers = [lookahead()]
+held = []
+for left in (200, 60):
+    held.append(np.ones(max(free_memory() - (left << 20), 0), np.uint8))
+    time.sleep(REMEASURE_S)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        answers.append(lookahead())
+    answers.append(len(caught))
+del held
+time.sleep(REMEASURE_S)
+print(*answers, lookahead())
+"""
+    try:
+        move_in = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
+        done = subprocess.run(["sh", "-c", move_in, "sh", sys.executable, "-c", code, str(large_records)],
+                              capture_output=True, text=True, timeout=TIMEOUT_S, env=subprocess_env())
+        assert done.returncode == 0, done.stderr
+        first, fewer, warned_fewer, none, warned_none, again = map(int, done.stdout.split())
+        assert first == again == round(LOOKAHEAD_WINDOWS * RECORDS)
+        assert 0 < fewer < first and not warned_fewer
+        assert none == 0 and warned_none == 1
+    finally:
+        group.rmdir()
+
+
+def test_the_loader_s_lookahead_is_measured_when_it_streams_and_counts_the_buffers_made(large_records,
+                                                                                       monkeypatch):
+    """make_loader's stream gets a ``Lookahead``, which measures nothing until batches are drawn, and
+    learns from the loader which of the batch buffers set aside exist (the slots its batches came in),
+    without a reference to it."""
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: pytest.fail("measured when made"))
+    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: 1)  # streamed
+    ds = PackedDataset(large_records, block_bytes=1)
+    loader = make_loader(ds, 8, num_workers=2, pin_memory=False, multiprocessing_context="fork")
+    lookahead = loader.batch_sampler.lookahead
+    assert loader.view.streaming and isinstance(lookahead, Lookahead) and lookahead.made() == 0
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: 1 << 40)
+    labels = [label for _, batch_labels in loader for label in batch_labels.tolist()]
+    assert labels == ds.targets[loader.shard_sampler.rank_order()].tolist()
+    slot = ds.batch_bytes(8) + ds.batch_bytes(8) // 8 + TRAILER  # with its headroom
+    assert lookahead.made() == loader.buffer_bytes_made()
+    assert 2 * slot <= loader.buffer_bytes_made() <= lookahead.reserved  # a slot a worker at least
+    gone = weakref.ref(loader)
+    gc.disable()
+    try:
+        del loader
+        assert gone() is None  # no cycle through the lookahead: a discarded loader's workers end at once
+    finally:
+        gc.enable()
