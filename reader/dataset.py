@@ -354,10 +354,10 @@ class PackedDataset(Dataset):
 
     @property
     def drop_behind(self) -> bool:
-        """Whether reads leave the reading ahead to ``advise`` and drop the pages of the records they
-        read where the main process does not drop their blocks (a batch scattered over many blocks:
-        ``reader.shard_io``, "Streaming"): set in the workers of a loader that streams a dataset larger
-        than the page cache can keep (``reader.loader``)."""
+        """Whether reads drop the pages of the records they read where the main process does not drop
+        their blocks (a batch scattered over many blocks: ``reader.shard_io``, "Streaming"): set in
+        the workers of a loader that streams a dataset larger than the page cache can keep
+        (``reader.loader``)."""
         return self._files.drop_behind
 
     @drop_behind.setter

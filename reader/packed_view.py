@@ -235,9 +235,8 @@ class PackedView(Dataset):
                 for k in np.unique(part_of).tolist() if getattr(self.parts[k], "readahead", False)]
 
     def enter_worker(self) -> None:
-        """In a loader's worker process: a ``streaming`` view's parts read nothing ahead and drop the
-        pages of the scattered batches they read (``PackedDataset.drop_behind``), the worker's own
-        copies only."""
+        """In a loader's worker process: a ``streaming`` view's parts drop the pages of the scattered
+        batches they read (``PackedDataset.drop_behind``), the worker's own copies only."""
         if self.streaming:
             for part in self.parts:
                 part.drop_behind = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -62,6 +63,15 @@ def cache(path: Path) -> None:
         os.close(fd)
     if not resident_pages(path).all():
         pytest.skip("this file system does not keep what was read in the page cache")
+
+
+def evict(path: Path) -> None:
+    """Drop the whole file from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def inner_pages(offset: int, nbytes: int) -> range:
@@ -140,19 +150,25 @@ def test_records_under_the_drop_size_keep_their_pages(packed, monkeypatch):
     assert not resident_pages(path)[sorted(inner_pages(int(ds._offsets[4]), int(ds._nbytes[4])))].any()
 
 
+def slow_disk(monkeypatch) -> None:
+    """Reads that do not wait find nothing cached, as on a disk slower than the probe. (Here a miss's
+    own small read-ahead may complete before the non-blocking read gives up, and it then succeeds.)"""
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset, flags=0):
+        if flags & os.RWF_NOWAIT:
+            raise BlockingIOError(11, "cold")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(reader.shard_io.os, "preadv", preadv)
+
+
 class FadviseLog:
     """Every ``posix_fadvise`` as ``(advice, offset, length)``; reads that do not wait find nothing cached."""
 
     def __init__(self, monkeypatch) -> None:
         self.calls: list[tuple[int, int, int]] = []
-        real_preadv = os.preadv
-
-        def preadv(fd, buffers, offset, flags=0):
-            if flags & os.RWF_NOWAIT:
-                raise BlockingIOError(11, "cold")
-            return real_preadv(fd, buffers, offset)
-
-        monkeypatch.setattr(reader.shard_io.os, "preadv", preadv)
+        slow_disk(monkeypatch)
         monkeypatch.setattr(reader.shard_io.os, "posix_fadvise",
                             lambda fd, offset, length, advice: self.calls.append((advice, offset, length)))
         monkeypatch.setattr(reader.mapped_copy.MappedFile, "resident", lambda self, start, end: False)
@@ -161,18 +177,39 @@ class FadviseLog:
         return [(offset, length) for kind, offset, length in self.calls if kind == advice]
 
 
-def test_a_streaming_read_leaves_reading_ahead_and_dropping_to_the_main_process(packed, monkeypatch):
-    """A cold batch read with drop_behind asks for no block of its own (the main process advises each
-    block once a pass) and drops nothing of a gathered batch (the main process drops its blocks)."""
+def test_a_streaming_read_advises_the_blocks_it_misses_and_drops_nothing_of_a_gathered_batch(packed, monkeypatch):
+    """A cold gathered batch read with drop_behind asks for its blocks, as any cold read does, without
+    clearing them (the main process clears a block once a pass, before its own advice), and drops
+    nothing (the main process drops its blocks)."""
     ds = blocks_of(packed.path, 5)
     ds.targets  # the table: block bounds known
     disk = FadviseLog(monkeypatch)
     ds.drop_behind = True
     ds.read_batch([12, 6, 13])
-    assert disk.calls == []
-    ds.drop_behind = False
-    ds.read_batch([22, 26])
-    assert disk.of(os.POSIX_FADV_WILLNEED)  # an ordinary cold read reads its blocks ahead
+    bounds = ds._files._block_starts
+    assert disk.of(os.POSIX_FADV_DONTNEED) == []
+    assert {offset for offset, _ in disk.of(os.POSIX_FADV_WILLNEED)} >= {int(bounds[1]), int(bounds[2])}
+
+
+def test_a_streaming_read_reads_an_evicted_block_whole_again(packed, monkeypatch):
+    """Advised pages the kernel evicted before a worker got to them (memory the job took since): the
+    worker's read of one record brings its whole block back into the page cache, not just the record."""
+    ds = blocks_of(packed.path, 5)
+    path = shard_file(ds)
+    cache(path)  # (skips where the page cache will not say what it holds)
+    evict(path)
+    assert not resident_pages(path).any()
+    slow_disk(monkeypatch)
+    ds.drop_behind = True
+    ds.read_batch([6])
+    bounds = ds._files._block_starts
+    block = range(-(-int(bounds[1]) // PAGE), int(bounds[2]) // PAGE)
+    deadline = time.monotonic() + 5
+    while not resident_pages(path)[block.start:block.stop].all() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the rest of the block is read in the background
+    assert resident_pages(path)[block.start:block.stop].all()
+    later = sorted({page for i in range(20, COUNT) for page in inner_pages(int(ds._offsets[i]), int(ds._nbytes[i]))})
+    assert not resident_pages(path)[later].any()  # nor the records of the blocks after the next
 
 
 def test_streamed_advice_reads_each_block_once_a_pass_and_drops_it_once_received(packed, monkeypatch):
