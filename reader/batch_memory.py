@@ -104,8 +104,13 @@ def pool_bytes(workers: int, prefetch: int, batch_bytes: int, pinned: bool) -> i
     before any exists: per worker a slot for each batch in flight (``prefetch``) and
     ``SLOTS_BEYOND_PREFETCH`` more, at most ``MAX_SLOTS``, each with its headroom and trailer; and,
     where batches are pinned, two pinned copies in the main process (the one in use and the next)."""
-    slot = batch_bytes + batch_bytes // _HEADROOM + TRAILER
+    slot = slot_size(batch_bytes)
     return workers * min(prefetch + SLOTS_BEYOND_PREFETCH, MAX_SLOTS) * slot + (2 * batch_bytes if pinned else 0)
+
+
+def slot_size(batch_bytes: int) -> int:
+    """The bytes of a worker's slot made for a batch of ``batch_bytes``: with its headroom and trailer."""
+    return batch_bytes + batch_bytes // _HEADROOM + TRAILER
 
 
 _pool: _Pool | None = None

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from reader.arguments import whole_number
-from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, pool_bytes, received_labels
+from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, pool_bytes, received_labels, slot_size
 from reader.batch_stream import BatchStream
 from reader.list_batches import is_encoded, moved_together
 from reader.lookahead import Lookahead
@@ -322,8 +322,10 @@ def make_loader(
     prefetch = (2 if prefetch_factor is None else prefetch_factor) if workers > 0 else None
     in_flight = workers * (prefetch or 0)  # batches the DataLoader's workers hold beyond those received
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-    reserved = pool_bytes(workers, prefetch or 0, view.batch_bytes_estimate(batch_size), pin)
-    lookahead = Lookahead(view, buffer_blocks, in_flight * batch_size, reserved) if advise else 0
+    batch_bytes = view.batch_bytes_estimate(batch_size)
+    reserved = pool_bytes(workers, prefetch or 0, batch_bytes, pin)
+    lookahead = Lookahead(view, buffer_blocks, in_flight * batch_size, reserved,
+                          unsent=workers * slot_size(batch_bytes)) if advise else 0
     loader = PackedLoader(
         view,
         batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead,

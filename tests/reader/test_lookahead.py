@@ -1,5 +1,5 @@
-"""A loader's lookahead: measured when its stream starts, not when it is made; for a streamed dataset
-measured again as it streams, following the free memory down and back up, never above its start.
+"""A loader's lookahead: measured when the loader is made; for a streamed dataset measured again as it
+streams, following the free memory down and back up, never above the first reading.
 
 The schedule is checked against a free memory set by the test; the real thing on a process in a real
 memory cgroup that takes most of its free memory while its lookahead is asked for.
@@ -41,39 +41,40 @@ def streamed(path: Path) -> PackedView:
     return view
 
 
-def test_measured_at_the_stream_s_start_then_again_never_above_it(large_records, monkeypatch):
-    """Nothing is measured when the loader is made. Each reading, the first when the stream starts and
-    then one every ``REMEASURE_S``, sets aside the batch buffers not made yet (``made``); the lookahead
-    follows the free memory down (with the warning once a window no longer fits) and back up, never
-    above the first reading."""
+def test_measured_when_made_then_again_as_it_streams_never_above_the_first(large_records, monkeypatch):
+    """The first reading, when the loader is made, sets all its batch buffers aside; later ones, every
+    ``REMEASURE_S``, set aside those not made yet (less the slots the workers may be filling), and the
+    lookahead follows the free memory down (with the warning once a window no longer fits) and back up,
+    never above the first reading."""
     view = streamed(large_records)
     shard_bytes = view.shard_bytes()
     record = shard_bytes // RECORDS
     window = shard_bytes * 16 // RECORDS
-    reserved = 50 * record
+    reserved, unsent = 50 * record, 10 * record
     readings: list[int] = []
-    free = reserved + STREAM_SHARE * (window + 20 * record)
+    free = reserved + round((window + 20 * record) / STREAM_SHARE)
 
     def measured() -> int:
         readings.append(free)
         return free
 
     monkeypatch.setattr(reader.lookahead, "free_memory", measured)
-    lookahead = Lookahead(view, 16, 8, reserved)
-    assert readings == []
+    lookahead = Lookahead(view, 16, 8, reserved, unsent)
     first = lookahead()
     assert first == lookahead_samples(view, 16, 8, reserved) and 0 < first < round(LOOKAHEAD_WINDOWS * 16)
-    assert lookahead() == first and len(readings) == 2  # not again before REMEASURE_S
+    assert lookahead() == first and len(readings) == 2  # when made, and here; not again before REMEASURE_S
     monkeypatch.setattr(reader.lookahead, "REMEASURE_S", 0.0)
-    free -= reserved // 2  # half the buffers made: taken from the free memory, no longer set aside
+    free -= unsent  # the workers' first slots made, none back yet: not counted twice
+    assert lookahead() == first
+    free -= reserved // 2 - unsent  # half the buffers made, back in batches: no longer set aside
     lookahead.made = lambda: reserved // 2
     assert lookahead() == first
-    free = STREAM_SHARE * (window + 14 * record)  # all made, and memory taken besides
+    free = round((window + 14 * record) / STREAM_SHARE)  # all made, and memory taken besides
     lookahead.made = lambda: reserved
     assert lookahead() == lookahead_samples(view, 16, 8) and 0 < lookahead() < first
-    free = STREAM_SHARE * window - 1  # not a window
+    free = int(window / STREAM_SHARE) - 3  # not a window
     monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
-    with pytest.warns(RuntimeWarning, match=r"memory free for the page cache \(\d+ MiB with all the loader.s "
+    with pytest.warns(RuntimeWarning, match=r"memory free for the page cache \(\d+ MiB with the loader.s "
                       "batch buffers made"):
         assert lookahead() == 0
     free = 100 * shard_bytes
@@ -85,7 +86,7 @@ def test_a_dataset_that_is_not_streamed_is_measured_once(large_records, monkeypa
     view.streaming = False
     monkeypatch.setattr(reader.lookahead, "REMEASURE_S", 0.0)
     monkeypatch.setattr(reader.lookahead, "free_memory", lambda: pytest.fail("measured"))
-    lookahead = Lookahead(view, 16, 8, 1 << 30)
+    lookahead = Lookahead(view, 16, 8, 1 << 30, 1 << 29)
     assert lookahead() == lookahead() == round(LOOKAHEAD_WINDOWS * 16)
 
 
@@ -130,21 +131,21 @@ print(*answers, lookahead())
         group.rmdir()
 
 
-def test_the_loader_s_lookahead_is_measured_when_it_streams_and_counts_the_buffers_made(large_records,
-                                                                                       monkeypatch):
-    """make_loader's stream gets a ``Lookahead``, which measures nothing until batches are drawn, and
-    learns from the loader which of the batch buffers set aside exist (the slots its batches came in),
-    without a reference to it."""
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: pytest.fail("measured when made"))
+def test_the_loader_s_lookahead_counts_the_buffers_made(large_records, monkeypatch):
+    """make_loader's stream gets a ``Lookahead``, measured when the loader is made with all its batch
+    buffers set aside, which learns from the loader which of them exist (the slots its batches came
+    back in), without a reference to it."""
+    readings: list[int] = []
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: readings.append(1 << 40) or 1 << 40)
     monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: 1)  # streamed
     ds = PackedDataset(large_records, block_bytes=1)
     loader = make_loader(ds, 8, num_workers=2, pin_memory=False, multiprocessing_context="fork")
     lookahead = loader.batch_sampler.lookahead
-    assert loader.view.streaming and isinstance(lookahead, Lookahead) and lookahead.made() == 0
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: 1 << 40)
+    assert loader.view.streaming and isinstance(lookahead, Lookahead) and len(readings) == 1
+    slot = ds.batch_bytes(8) + ds.batch_bytes(8) // 8 + TRAILER  # with its headroom
+    assert lookahead.made() == 0 and lookahead.unsent == 2 * slot
     labels = [label for _, batch_labels in loader for label in batch_labels.tolist()]
     assert labels == ds.targets[loader.shard_sampler.rank_order()].tolist()
-    slot = ds.batch_bytes(8) + ds.batch_bytes(8) // 8 + TRAILER  # with its headroom
     assert lookahead.made() == loader.buffer_bytes_made()
     assert 2 * slot <= loader.buffer_bytes_made() <= lookahead.reserved  # a slot a worker at least
     gone = weakref.ref(loader)
