@@ -82,7 +82,7 @@ class _Pool:
     def reserve(self, nbytes: int) -> None:
         """Make the slot that the first ``take(nbytes)`` would make (if no slot fits it yet)."""
         if not any(slot.capacity >= nbytes for slot in self.slots) and len(self.slots) < MAX_SLOTS:
-            self.slots.append(_Slot(nbytes + nbytes // _HEADROOM, self.shared))
+            self.slots.append(_Slot(_capacity(nbytes), self.shared))
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A ``uint8 [nbytes]`` view of a free slot, or of fresh memory when the pool is full."""
@@ -93,7 +93,7 @@ class _Pool:
         if len(self.slots) >= MAX_SLOTS and free:
             self.slots.remove(free[0])
         if len(self.slots) < MAX_SLOTS:
-            slot = _Slot(nbytes + nbytes // _HEADROOM, self.shared)
+            slot = _Slot(_capacity(nbytes), self.shared)
             self.slots.append(slot)
             return slot.tensor[:nbytes]
         return _fresh(nbytes, self.shared)
@@ -110,7 +110,12 @@ def pool_bytes(workers: int, prefetch: int, batch_bytes: int, pinned: bool) -> i
 
 def slot_size(batch_bytes: int) -> int:
     """The bytes of a worker's slot made for a batch of ``batch_bytes``: with its headroom and trailer."""
-    return batch_bytes + batch_bytes // _HEADROOM + TRAILER
+    return _capacity(batch_bytes) + TRAILER
+
+
+def _capacity(nbytes: int) -> int:
+    """The payload bytes of a slot made for ``nbytes``: 1/8 more, so that slightly larger batches fit."""
+    return nbytes + nbytes // _HEADROOM
 
 
 _pool: _Pool | None = None
