@@ -288,7 +288,7 @@ class PackedDataset(Dataset):
         """About what a batch of ``count`` records takes from the batch memory pool: ``batch_bytes``
         where that is known; else the records' mean stored size, times ``PIXELS_PER_JPEG_BYTE`` where JPEG
         records are decoded (a record's decoded size is not in its table). For the loader's memory
-        reckoning (``reader.loader.lookahead_samples``), never for an allocation."""
+        reckoning (``reader.lookahead``), never for an allocation."""
         exact = self.batch_bytes(count)
         if exact is not None:
             return exact

@@ -42,7 +42,8 @@ def cgroup_memory_limit(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Pat
     ``hierarchical_memory_limit`` (``memory.stat``), which already takes the group's ancestors into
     account; a huge number there means no limit.
     """
-    limits = [limit for group, v1 in _memory_groups(proc_cgroup, root) for limit in _limit(group, v1)]
+    limits = [limit for group, v1 in _memory_groups(proc_cgroup, root)
+              for limit in _limit(group, v1, _stat(group) if v1 else {})]
     return min(limits) if limits else None
 
 
@@ -60,8 +61,9 @@ def free_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGRO
     """
     free = [_mem_available(meminfo)]
     for group, v1 in _memory_groups(proc_cgroup, root):
-        for limit in _limit(group, v1):
-            free.append(limit - _held(group, v1))
+        stat = _stat(group) if v1 else {}  # v1 keeps its limit there: read once for both
+        for limit in _limit(group, v1, stat):
+            free.append(limit - _held(group, v1, stat or _stat(group)))
     return max(0, min(free))
 
 
@@ -89,32 +91,40 @@ def _memory_groups(proc_cgroup: Path, root: Path) -> Iterator[tuple[Path, bool]]
             group = group.parent
 
 
-def _limit(group: Path, v1: bool) -> list[int]:
-    """``[limit]`` of ``group`` in bytes, or ``[]`` where it has none (or it cannot be read)."""
-    try:
-        if v1:
-            text = _stat(group).get("hierarchical_memory_limit", "")
-        else:
+def _limit(group: Path, v1: bool, stat: dict[str, str]) -> list[int]:
+    """``[limit]`` of ``group`` in bytes, or ``[]`` where it has none (or it cannot be read); a v1
+    group's is in its ``memory.stat``, ``stat``."""
+    if v1:
+        text = stat.get("hierarchical_memory_limit", "").strip()
+    else:
+        try:
             text = (group / "memory.max").read_text().strip()
-    except OSError:
-        return []
+        except OSError:
+            return []
     return [int(text)] if text.isdigit() and 0 < int(text) < 1 << 60 else []
 
 
-def _held(group: Path, v1: bool) -> int:
-    """What ``group`` is charged for that reclaim cannot take back (``free_memory``); 0 where unknown."""
+def _held(group: Path, v1: bool, stat: dict[str, str]) -> int:
+    """What ``group`` is charged for that reclaim cannot take back (``free_memory``), its
+    ``memory.stat`` being ``stat``; 0 where unknown."""
     usage, cache, shmem = (("memory.usage_in_bytes", "total_cache", "total_shmem") if v1
                            else ("memory.current", "file", "shmem"))
+    if not stat:
+        return 0
     try:
-        stat = _stat(group)
         return int((group / usage).read_text()) - int(stat.get(cache, 0)) + int(stat.get(shmem, 0))
     except (OSError, ValueError):
         return 0
 
 
 def _stat(group: Path) -> dict[str, str]:
-    """``group``'s ``memory.stat`` as a mapping of names to values (as text)."""
-    return dict(line.split(" ", 1) for line in (group / "memory.stat").read_text().splitlines() if " " in line)
+    """``group``'s ``memory.stat`` as a mapping of names to values (as text); empty where it cannot be
+    read."""
+    try:
+        text = (group / "memory.stat").read_text()
+    except OSError:
+        return {}
+    return dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
 
 
 def _mem_available(meminfo: Path) -> int:
