@@ -322,7 +322,9 @@ def make_loader(
     prefetch = (2 if prefetch_factor is None else prefetch_factor) if workers > 0 else None
     in_flight = workers * (prefetch or 0)  # batches the DataLoader's workers hold beyond those received
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-    batch_bytes = view.batch_bytes_estimate(batch_size)
+    # only a streamed loader sets its batch buffers aside (reader.lookahead); for JPEG records of varying
+    # sizes the estimate reads a record table
+    batch_bytes = view.batch_bytes_estimate(batch_size) if view.streaming else 0
     reserved = pool_bytes(workers, prefetch or 0, batch_bytes, pin)
     lookahead = Lookahead(view, buffer_blocks, in_flight * batch_size, reserved,
                           unsent=workers * slot_size(batch_bytes)) if advise else 0

@@ -36,10 +36,6 @@ from reader.format import turbojpeg
 
 STORE_ALIGNMENT = 32  # rows starting on this boundary are written with non-temporal stores (module doc)
 STORE_OFFSET = 16  # where a decode destination starts past such a boundary
-# About how many bytes of pixels a byte of JPEG decodes to, for a memory estimate where the decoded
-# sizes are not known (a set of varying shapes): the benchmark's q90 photo-like records at 224 px are
-# 14.9 KB stored and 150.5 KB decoded.
-PIXELS_PER_JPEG_BYTE = 10
 
 
 def store_shift(address: int) -> int:

@@ -17,7 +17,7 @@ import reader.mapped_copy
 import reader.shard_io
 from reader import PackedDataset
 from reader.format import FormatError
-from reader.format.jpeg_decode import PIXELS_PER_JPEG_BYTE, STORE_ALIGNMENT, store_shift
+from reader.format.jpeg_decode import STORE_ALIGNMENT, store_shift
 from reader.packed_view import PackedView
 
 COUNT = 23
@@ -130,17 +130,29 @@ def test_batch_bytes_is_what_a_batch_takes_from_the_pool(tmp_path, images, encod
 
 @pytest.mark.parametrize("encoding", ["raw", "jpeg"])
 def test_a_batch_s_memory_is_estimated_where_its_shapes_vary(tmp_path, encoding):
-    """For the loader's memory reckoning: the exact size where shapes are fixed; where they vary, the
-    mean stored record, times ``PIXELS_PER_JPEG_BYTE`` for JPEG records that are decoded."""
+    """For the loader's memory reckoning: the exact size where shapes are fixed; where they vary, the mean
+    stored record, or for JPEG records that are decoded the mean decoded one (placed as a batch places
+    them) over the records whose tables were read, the first shard's read first where none is."""
     fixed = PackedDataset(pack_one_shard(tmp_path / "fixed", make_images(4, [(12, 16)]), "lmdb", encoding).path)
     assert fixed.batch_bytes_estimate(3) == fixed.batch_bytes(3)
-    varied = pack_one_shard(tmp_path / "varied", make_images(4, [(12, 16), (20, 8)]), "lmdb", encoding).path
-    ds = PackedDataset(varied)
-    assert ds.batch_bytes(3) is None
+    sizes = [(12, 16)] * 4 + [(40, 24)] * 4
+    packed = pack_images(tmp_path / "varied", make_images(8, sizes), [0] * 8, storage="lmdb", encoding=encoding,
+                         records_per_shard=4)
+    ds = PackedDataset(packed.path)
+    assert ds.batch_bytes(3) is None and len(ds.manifest.shards) > 1
     stored = 3 * ds.manifest.total_bytes // len(ds)
-    assert ds.batch_bytes_estimate(3) == (stored * PIXELS_PER_JPEG_BYTE if encoding == "jpeg" else stored)
-    if encoding == "jpeg":
-        assert PackedDataset(varied, decode=False).batch_bytes_estimate(3) == stored
+    if encoding == "raw":
+        assert ds.batch_bytes_estimate(3) == stored
+        return
+    assert PackedDataset(packed.path, decode=False).batch_bytes_estimate(3) == stored
+
+    def three_of(images: list[np.ndarray]) -> int:  # their mean decoded size padded to 32, and the decode room
+        return 3 * -(-int(np.mean([image.size for image in images])) // 32) * 32 + 32
+
+    assert ds.batch_bytes_estimate(3) == three_of(packed.images[:ds.manifest.shards[0].records])
+    assert ds._records.loaded.tolist() == [True] + [False] * (len(ds.manifest.shards) - 1)
+    ds.read_batch(list(range(len(ds))))  # reads every table
+    assert ds.batch_bytes_estimate(3) == three_of(packed.images) == 3 * 1728 + 32
     assert PackedView(ds).batch_bytes_estimate(3) == ds.batch_bytes_estimate(3)
 
 
