@@ -2,7 +2,7 @@
 
     python scripts/bench_cold.py run --mnt MNT SET [SET ...] [--ffcv BETON [--ffcv-orders random,quasi_random]]
         [--epochs 1] [--orders quasi_random,random]
-        [--before CHECKOUT] [--mem SIZE [--hold MB] [--grow MB]]
+        [--before CHECKOUT] [--mem SIZE [--hold MB] [--grow MB]] [--start-method fork|spawn|forkserver]
 
 Each ``SET`` is a packed dataset on the slow disk (``scripts/slowdisk up``: 100 MB/s, 200 read IOPS, on
 cgroup v1 or v2; ``SLOWDISK`` names another such tool), written ``[LABEL=]PATH``. For each set: ``cat``
@@ -16,7 +16,9 @@ with ``SLOW_MEM`` (memory and page cache capped: a set larger than that is read 
 epoch); ``--hold MB`` makes each of our readers hold that much memory of its own first (as a CUDA
 context and a model would), ``--grow MB`` right after its first batch (as memory a training job takes
 once it runs would: a model moved to the GPU after the loader was made, CUDA's context started by the
-first batch's ``.cuda()``).
+first batch's ``.cuda()``); ``--start-method`` starts the loaders' workers so (``make_loader``'s
+``multiprocessing_context``; spawned workers import torch themselves, memory the loader sees only once
+they run).
 
 Reported per run: img/s, seconds, the first batch's wait, what the disk served (bytes, the number and
 mean size of its IOs: ``slowdisk counters``, the block throttle's counters for the slow disk's
@@ -48,17 +50,19 @@ CAT_ROUNDS = 2  # cold cats of a set's shards; the fastest is the disk's rate (m
 HERE = Path(__file__).resolve()
 SLOWDISK = os.environ.get("SLOWDISK", str(HERE.parent / "slowdisk"))  # scripts/slowdisk: cgroup v1 or v2
 CAT = ["sh", "-c", 'cat "$@" > /dev/null', "cat"]  # the files follow
+START_METHODS = ("fork", "spawn", "forkserver")  # make_loader's multiprocessing_context
 FFCV_ORDERS = {"random": "RANDOM os_cache", "quasi_random": "QUASI_RANDOM"}
 
 
 def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: int = 0,
-                grow_mb: int = 0) -> list[dict]:
+                grow_mb: int = 0, start_method: str | None = None) -> list[dict]:
     """Per-epoch figures of ``make_loader`` over a packed dataset (the reader on ``sys.path``). On a machine
     with CUDA the loader pins its batches, and CUDA is started first, as a training script's model is
     on the GPU before its first batch: else the first batch's wait would include CUDA's start. With
     ``hold_mb`` the process first holds that much memory of its own (written, so resident), as a CUDA
     context and a model would, before the loader is made; with ``grow_mb`` it takes that much more
-    once it has received its first batch (``GrowsAtFirstBatch``)."""
+    once it has received its first batch (``GrowsAtFirstBatch``); ``start_method`` is the loader's
+    ``multiprocessing_context``."""
     import numpy as np
     import torch
     from bench_ffcv import _epochs
@@ -68,7 +72,8 @@ def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: in
     held = np.ones(hold_mb << 20, np.uint8)
     if torch.cuda.is_available():
         torch.empty(1).pin_memory()
-    loader = make_loader(PackedDataset(dataset), BATCH, num_workers=workers, order=order)
+    loader = make_loader(PackedDataset(dataset), BATCH, num_workers=workers, order=order,
+                         multiprocessing_context=start_method)
     grown = GrowsAtFirstBatch(loader, grow_mb)
     rows = _epochs(grown, epochs, set_epoch=True, pids=lambda: [])
     del held, grown  # held through the epochs
@@ -169,7 +174,8 @@ def run(args: argparse.Namespace) -> None:
             for order in args.orders.split(","):
                 command = ["env", f"PYTHONPATH={_python_path(checkout or HERE.parents[1])}", python, str(HERE),
                            "read", str(dataset), "--order", order, "--epochs", str(args.epochs),
-                           "--hold", str(args.hold), "--grow", str(args.grow)]
+                           "--hold", str(args.hold), "--grow", str(args.grow),
+                           *(["--start-method", args.start_method] if args.start_method else [])]
                 decoding = _decode_bound(dataset)
                 run_rows = _row(f"{name}, {order}", command, mnt, args.mem, payload, rate)
                 after = _decode_bound(dataset)
@@ -305,6 +311,7 @@ def main() -> None:
     p.add_argument("--mem")
     p.add_argument("--hold", type=int, default=0, help="MB each reader holds before its loader")
     p.add_argument("--grow", type=int, default=0, help="MB each reader takes after its first batch")
+    p.add_argument("--start-method", choices=START_METHODS, help="how the loaders start workers")
     p.add_argument("--json")
     for name in ("read", "ffcv", "decode"):
         p = sub.add_parser(name)
@@ -314,12 +321,13 @@ def main() -> None:
         p.add_argument("--workers", type=int, default=WORKERS)
         p.add_argument("--hold", type=int, default=0)
         p.add_argument("--grow", type=int, default=0)
+        p.add_argument("--start-method", choices=START_METHODS)
     args = parser.parse_args()
     if args.command == "run":
         run(args)
     elif args.command == "read":
         print(json.dumps(read_epochs(args.path, args.order, args.epochs, args.workers, args.hold,
-                                     args.grow)))
+                                     args.grow, args.start_method)))
     elif args.command == "decode":
         print(json.dumps(decode_alone(args.path, args.workers)))
     else:
