@@ -311,10 +311,12 @@ class PackedDataset(Dataset):
             filled = np.flatnonzero(np.diff(self._shard_starts))
             if len(filled):
                 self._load_table(int(filled[0]))
-        read = records.heights > 0  # rows not read are 0, and a record's height is at least 1
-        if not read.any():
-            return 0
-        return padded_size(int(np.mean(records.heights[read] * records.widths[read] * 3)))
+        pixels = count = 0
+        for shard in np.flatnonzero(records.loaded).tolist():  # their rows only: the others' pages stay unmapped
+            rows = slice(int(self._shard_starts[shard]), int(self._shard_starts[shard + 1]))
+            pixels += int(np.dot(records.heights[rows], records.widths[rows]))
+            count += rows.stop - rows.start
+        return padded_size(3 * pixels // count) if count else 0
 
     def read_batch(self, indices: Indices) -> tuple[Images, torch.Tensor]:
         """A whole batch, in the requested order: ``(uint8 [B, 3, H, W], int64 [B])``, zero-copy.
