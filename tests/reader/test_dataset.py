@@ -128,32 +128,47 @@ def test_batch_bytes_is_what_a_batch_takes_from_the_pool(tmp_path, images, encod
     assert PackedView(ds).batch_nbytes(5) == ds.batch_bytes(5) == 5 * 3 * math.prod(SIZE) + room
 
 
+def three_of(images: list[np.ndarray]) -> int:
+    """What ``batch_bytes_estimate(3)`` makes of decoded ``images``: three of their mean size, padded to
+    32 bytes, and the decode room."""
+    return 3 * -(-int(np.mean([image.size for image in images])) // 32) * 32 + 32
+
+
 @pytest.mark.parametrize("encoding", ["raw", "jpeg"])
-def test_a_batch_s_memory_is_estimated_where_its_shapes_vary(tmp_path, encoding):
+def test_a_batch_s_memory_is_estimated_where_its_shapes_vary(tmp_path, encoding, monkeypatch):
     """For the loader's memory reckoning: the exact size where shapes are fixed; where they vary, the mean
-    stored record, or for JPEG records that are decoded the mean decoded one (placed as a batch places
-    them) over the records whose tables were read, the first shard's read first where none is."""
+    stored record, or for JPEG records that are decoded the mean decoded one (padded as a batch places
+    them) over the records whose tables were read, those of shards spread from the first to the last
+    read first where none is: a batch's real allocation, within the padding."""
     fixed = PackedDataset(pack_one_shard(tmp_path / "fixed", make_images(4, [(12, 16)]), "lmdb", encoding).path)
     assert fixed.batch_bytes_estimate(3) == fixed.batch_bytes(3)
-    sizes = [(12, 16)] * 4 + [(40, 24)] * 4
-    packed = pack_images(tmp_path / "varied", make_images(8, sizes), [0] * 8, storage="lmdb", encoding=encoding,
-                         records_per_shard=4)
+    sizes = [(13, 15)] * 8 + [(40, 24)] * 8  # small images fill the first shards, as one class can
+    packed = pack_images(tmp_path / "varied", make_images(16, sizes), [0] * 16, storage="lmdb", encoding=encoding,
+                         records_per_shard=2)
     ds = PackedDataset(packed.path)
-    assert ds.batch_bytes(3) is None and len(ds.manifest.shards) > 1
+    shards = ds.manifest.shards
+    assert ds.batch_bytes(3) is None and len(shards) > 4
     stored = 3 * ds.manifest.total_bytes // len(ds)
     if encoding == "raw":
         assert ds.batch_bytes_estimate(3) == stored
         return
     assert PackedDataset(packed.path, decode=False).batch_bytes_estimate(3) == stored
 
-    def three_of(images: list[np.ndarray]) -> int:  # their mean decoded size padded to 32, and the decode room
-        return 3 * -(-int(np.mean([image.size for image in images])) // 32) * 32 + 32
-
-    assert ds.batch_bytes_estimate(3) == three_of(packed.images[:ds.manifest.shards[0].records])
-    assert ds._records.loaded.tolist() == [True] + [False] * (len(ds.manifest.shards) - 1)
+    estimate = ds.batch_bytes_estimate(3)
+    loaded = ds._records.loaded.tolist()
+    assert loaded[0] and loaded[-1] and sum(loaded) == 4  # four tables, the first and the last among them
+    starts = np.cumsum([0] + [shard.records for shard in shards])
+    sampled = [image for k, shard in enumerate(loaded) if shard for image in packed.images[starts[k]:starts[k + 1]]]
+    assert estimate == three_of(sampled)
     ds.read_batch(list(range(len(ds))))  # reads every table
-    assert ds.batch_bytes_estimate(3) == three_of(packed.images) == 3 * 1728 + 32
+    assert ds.batch_bytes_estimate(3) == three_of(packed.images) == 3 * 1760 + 32
     assert PackedView(ds).batch_bytes_estimate(3) == ds.batch_bytes_estimate(3)
+
+    asked = []
+    real = reader.dataset.new_batch
+    monkeypatch.setattr(reader.dataset, "new_batch", lambda shape: asked.append(math.prod(shape)) or real(shape))
+    ds.read_batch([0, len(ds) - 1])  # one image of each size: the mean's
+    assert asked == [32 + 608 + 2880] and 0 <= ds.batch_bytes_estimate(2) - asked[0] <= 2 * 32
 
 
 def test_decode_destination_offset():

@@ -131,6 +131,22 @@ print(*answers, lookahead())
         group.rmdir()
 
 
+def test_only_a_streamed_loader_reckons_its_batches_from_the_record_tables(tmp_path, monkeypatch):
+    """For JPEG records of varying sizes a streamed loader sets aside its batch slots as the record tables
+    say (``PackedDataset.batch_bytes_estimate``, which reads some); a loader that does not stream sets
+    nothing aside, so reads no table when made."""
+    sizes = [(13, 15), (40, 24)]
+    path = pack_images(tmp_path / "varied", make_images(12, sizes), [0] * 12, storage="lmdb", encoding="jpeg",
+                       records_per_shard=4).path
+    ds = PackedDataset(path)
+    make_loader(ds, 4, num_workers=2, pin_memory=False)
+    assert ds._columns is None
+    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: 1)  # streamed
+    loader = make_loader(ds, 4, num_workers=2, pin_memory=False)
+    batch = 4 * -(-(13 * 15 * 3 + 40 * 24 * 3) // 2 // 32) * 32 + 32
+    assert loader.view.streaming and ds._columns is not None and ds._columns.loaded.all()  # its 4 shards
+    assert loader.batch_sampler.lookahead.unsent == 2 * (batch + batch // 8 + TRAILER)
+
 def test_the_loader_s_lookahead_counts_the_buffers_made(large_records, monkeypatch):
     """make_loader's stream gets a ``Lookahead``, measured when the loader is made with all its batch
     buffers set aside, which learns from the loader which of them exist (the slots its batches came
