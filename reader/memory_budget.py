@@ -63,7 +63,7 @@ def free_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGRO
     for group, v1 in _memory_groups(proc_cgroup, root):
         stat = _stat(group) if v1 else {}  # v1 keeps its limit there: read once for both
         for limit in _limit(group, v1, stat):
-            free.append(limit - _held(group, v1, stat or _stat(group)))
+            free.append(limit - _held(group, v1, stat if v1 else _stat(group)))
     return max(0, min(free))
 
 

@@ -67,7 +67,7 @@ def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: in
     ``multiprocessing_context``."""
     import numpy as np
     import torch
-    from bench_ffcv import _epochs
+    from bench_ffcv import _epochs, worker_pids
 
     from reader import PackedDataset, make_loader
 
@@ -77,9 +77,7 @@ def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: in
     loader = make_loader(PackedDataset(dataset), BATCH, num_workers=workers, order=order,
                          multiprocessing_context=start_method)
     grown = GrowsAtFirstBatch(loader, grow_mb)
-    # the worker pids, for their CPU time (a private attribute: fine in a benchmark, not in the reader)
-    rows = _epochs(grown, epochs, set_epoch=True,
-                   pids=lambda: [w.pid for w in getattr(loader._iterator, "_workers", [])])
+    rows = _epochs(grown, epochs, set_epoch=True, pids=lambda: worker_pids(loader))
     del held, grown  # held through the epochs
     return rows
 

@@ -43,9 +43,7 @@ def run_ours(dataset: str, epochs: int, workers: int, threads: int | None) -> li
 
     kwargs = {} if threads is None else {"decode_threads": threads}
     loader = make_loader(PackedDataset(dataset, **kwargs), BATCH, num_workers=workers)
-    # The worker pids, for their CPU time (a private attribute: fine in a benchmark, not in the reader).
-    return _epochs(loader, epochs, set_epoch=True,
-                   pids=lambda: [w.pid for w in getattr(loader._iterator, "_workers", [])])
+    return _epochs(loader, epochs, set_epoch=True, pids=lambda: worker_pids(loader))
 
 
 def run_ffcv(beton: str, epochs: int, workers: int, order: str = "random") -> list[dict]:
@@ -87,6 +85,12 @@ def _epochs(loader, epochs: int, *, set_epoch: bool, pids) -> list[dict]:
                      "img_per_cpu_s": images / cpu if cpu > 0 else 0.0,
                      "first_batch_ms": 1000 * first, "max_rss_mb": _max_rss_mb()})
     return rows
+
+
+def worker_pids(loader) -> list[int]:
+    """The pids of a DataLoader's running workers, for their CPU time (a private attribute: fine in a
+    benchmark, not in the reader)."""
+    return [w.pid for w in getattr(loader._iterator, "_workers", [])]
 
 
 def _cpu_seconds(pids: list[int]) -> float:
