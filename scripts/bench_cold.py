@@ -3,6 +3,7 @@
     python scripts/bench_cold.py run --mnt MNT SET [SET ...] [--ffcv BETON [--ffcv-orders random,quasi_random]]
         [--epochs 1] [--orders quasi_random,random]
         [--before CHECKOUT] [--mem SIZE [--hold MB] [--grow MB]] [--start-method fork|spawn|forkserver]
+        [--ranks N]
 
 Each ``SET`` is a packed dataset on the slow disk (``scripts/slowdisk up``: 100 MB/s, 200 read IOPS, on
 cgroup v1 or v2; ``SLOWDISK`` names another such tool), written ``[LABEL=]PATH``. For each set: ``cat``
@@ -18,7 +19,10 @@ context and a model would), ``--grow MB`` right after its first batch (as memory
 once it runs would: a model moved to the GPU after the loader was made, CUDA's context started by the
 first batch's ``.cuda()``); ``--start-method`` starts the loaders' workers so (``make_loader``'s
 ``multiprocessing_context``; spawned workers import torch themselves, memory the loader sees only once
-they run).
+they run); ``--ranks N`` runs each of our readers as N DDP ranks on this machine under torchrun (over
+gloo), the ``WORKERS`` shared between them (at least one each), every rank reading its share of each
+epoch and all-reducing a number after each batch, as DDP's gradient sync keeps ranks in step: the
+figures are the job's (all ranks' images over the slowest rank's time, the last rank's first batch).
 
 Reported per run: img/s, seconds, the first batch's wait, what the disk served (bytes, the number and
 mean size of its IOs: ``slowdisk counters``, the block throttle's counters for the slow disk's
@@ -64,21 +68,69 @@ def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: in
     ``hold_mb`` the process first holds that much memory of its own (written, so resident), as a CUDA
     context and a model would, before the loader is made; with ``grow_mb`` it takes that much more
     once it has received its first batch (``GrowsAtFirstBatch``); ``start_method`` is the loader's
-    ``multiprocessing_context``."""
+    ``multiprocessing_context``. Under torchrun (``--ranks``) each rank reads its share and the
+    figures are the job's (``_whole_job``)."""
     import numpy as np
     import torch
+    import torch.distributed as dist
     from bench_ffcv import _epochs, worker_pids
 
     from reader import PackedDataset, make_loader
 
+    ranked = "RANK" in os.environ
+    if ranked:
+        dist.init_process_group("gloo")
     held = np.ones(hold_mb << 20, np.uint8)
     if torch.cuda.is_available():
         torch.empty(1).pin_memory()
     loader = make_loader(PackedDataset(dataset), BATCH, num_workers=workers, order=order,
                          multiprocessing_context=start_method)
-    grown = GrowsAtFirstBatch(loader, grow_mb)
+    grown = InLockstep(GrowsAtFirstBatch(loader, grow_mb)) if ranked else GrowsAtFirstBatch(loader, grow_mb)
     rows = _epochs(grown, epochs, set_epoch=True, pids=lambda: worker_pids(loader))
     del held, grown  # held through the epochs
+    if ranked:
+        rows = _whole_job(rows)
+        dist.destroy_process_group()
+    return rows
+
+
+class InLockstep:
+    """A rank's epochs with one all-reduce after each batch, as DDP's gradient sync makes every step
+    wait for the slowest rank."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self):
+        import torch
+        import torch.distributed as dist
+
+        step = torch.zeros(1)
+        for batch in self.loader:
+            yield batch
+            dist.all_reduce(step)
+
+
+def _whole_job(rows: list[dict]) -> list[dict]:
+    """Each rank's per-epoch rows made the job's: the images of all ranks over the slowest rank's time,
+    the first batch the last rank's, and images per CPU-second of all the ranks' processes; the same
+    rows on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    for row in rows:
+        images, seconds = row["images"], row["images"] / row["img_s"]
+        cpu = images / row["img_per_cpu_s"] if row["img_per_cpu_s"] else 0.0
+        summed = torch.tensor([images, cpu], dtype=torch.float64)
+        slowest = torch.tensor([seconds, row["first_batch_ms"]], dtype=torch.float64)
+        dist.all_reduce(summed)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        images, cpu = int(summed[0]), float(summed[1])
+        row.update(images=images, img_s=images / float(slowest[0]), first_batch_ms=float(slowest[1]),
+                   img_per_cpu_s=images / cpu if cpu > 0 else 0.0)
     return rows
 
 
@@ -174,8 +226,9 @@ def run(args: argparse.Namespace) -> None:
             readers.append((f"{label} before", sys.executable, args.before))
         for name, python, checkout in readers:
             for order in args.orders.split(","):
-                command = ["env", f"PYTHONPATH={_python_path(checkout or HERE.parents[1])}", python, str(HERE),
-                           "read", str(dataset), "--order", order, "--epochs", str(args.epochs),
+                command = ["env", f"PYTHONPATH={_python_path(checkout or HERE.parents[1])}", python,
+                           *_launcher(args.ranks), str(HERE), "read", str(dataset), "--order", order,
+                           "--epochs", str(args.epochs), "--workers", str(max(1, WORKERS // args.ranks)),
                            "--hold", str(args.hold), "--grow", str(args.grow),
                            *(["--start-method", args.start_method] if args.start_method else [])]
                 decoding = _decode_bound(dataset)
@@ -204,6 +257,11 @@ def run(args: argparse.Namespace) -> None:
               f"{row.get('x_bound', row['x_payload'])} | {row['img_cpu_s']:,.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _launcher(ranks: int) -> list[str]:
+    """What runs a reader as ``ranks`` DDP ranks on this machine (torchrun, over gloo); nothing for one."""
+    return [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
 
 
 def _against_decoding(rows: list[dict], before: float | None, after: float | None, payload_bound: float) -> list[dict]:
@@ -316,6 +374,8 @@ def main() -> None:
     p.add_argument("--hold", type=int, default=0, help="MB each reader holds before its loader")
     p.add_argument("--grow", type=int, default=0, help="MB each reader takes after its first batch")
     p.add_argument("--start-method", choices=START_METHODS, help="how the loaders start workers")
+    p.add_argument("--ranks", type=int, default=1,
+                   help=f"DDP ranks per reader, under torchrun: {WORKERS} workers shared (at least one each)")
     p.add_argument("--json")
     for name in ("read", "ffcv", "decode"):
         p = sub.add_parser(name)
@@ -328,10 +388,14 @@ def main() -> None:
         p.add_argument("--start-method", choices=START_METHODS)
     args = parser.parse_args()
     if args.command == "run":
+        if args.ranks < 1:
+            parser.error(f"--ranks must be at least 1, not {args.ranks}")
         run(args)
     elif args.command == "read":
-        print(json.dumps(read_epochs(args.path, args.order, args.epochs, args.workers, args.hold,
-                                     args.grow, args.start_method)))
+        rows = read_epochs(args.path, args.order, args.epochs, args.workers, args.hold, args.grow,
+                           args.start_method)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has the job's rows
+            print(json.dumps(rows))
     elif args.command == "decode":
         print(json.dumps(decode_alone(args.path, args.workers)))
     else:
