@@ -31,11 +31,11 @@ from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, pool_by
 from reader.batch_stream import BatchStream
 from reader.list_batches import is_encoded, moved_together
 from reader.lookahead import Lookahead
-from reader.memory_budget import page_cache_budget
+from reader.memory_budget import cache_room, worker_bytes
 from reader.packed_view import PackedView, check_own_reads
 from reader.ranks import ranks_on_this_node
 from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
-from reader.torch_hooks import HookedDataLoader
+from reader.torch_hooks import HookedDataLoader, worker_start_method
 
 MAX_DEFAULT_WORKERS = 8
 # How long a worker that ends waits for its data queue's feeder thread (``start_worker``): it sends the
@@ -318,14 +318,16 @@ def make_loader(
                            pad=pad, buffer_blocks=buffer_blocks)
     workers = default_num_workers() if num_workers is None else num_workers
     advise = view.advise if workers > 0 and view.readahead else None
-    view.streaming = advise is not None and view.shard_bytes() > page_cache_budget()
     prefetch = (2 if prefetch_factor is None else prefetch_factor) if workers > 0 else None
     in_flight = workers * (prefetch or 0)  # batches the DataLoader's workers hold beyond those received
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-    # only a streamed loader sets its batch buffers aside (reader.lookahead); for JPEG records of varying
-    # sizes the estimate reads a record table
-    batch_bytes = view.batch_bytes_estimate(batch_size) if view.streaming else 0
+    # for JPEG records of varying sizes the estimate reads some record tables
+    batch_bytes = view.batch_bytes_estimate(batch_size) if advise else 0
     reserved = pool_bytes(workers, prefetch or 0, batch_bytes, pin)
+    # streamed where the page cache cannot keep the dataset once this rank's loader and those of the
+    # other ranks on this node run (each alike)
+    to_come = ranks_on_this_node() * (reserved + workers * worker_bytes(worker_start_method(multiprocessing_context)))
+    view.streaming = advise is not None and view.shard_bytes() > cache_room(to_come)
     lookahead = Lookahead(view, buffer_blocks, in_flight * batch_size, reserved,
                           unsent=workers * slot_size(batch_bytes)) if advise else 0
     loader = PackedLoader(

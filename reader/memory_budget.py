@@ -1,4 +1,5 @@
-"""How much of a dataset the page cache can be expected to keep: half the memory this process may use.
+"""How much of a dataset the page cache can be expected to keep (``cache_room``): half the memory this
+process may use, and less where the processes of the ranks on this node take more than half.
 
 The memory is the machine's RAM, or less where a control group caps it: a Slurm job, a container, a
 Kubernetes pod, or ``scripts/slowdisk``'s ``SLOW_MEM``. Under such a cap the page cache of
@@ -6,9 +7,10 @@ the group is charged to it, so a dataset larger than what is left is read from t
 epoch, whatever the machine's RAM.
 
 Half, because the rest belongs to the processes themselves (torch, the model, batches in flight in
-shared memory) and to other jobs. A loader over a dataset larger than this streams it
-(``reader.loader``): each record's pages are dropped once read, so that the cache holds the blocks
-read ahead, not the ones already consumed.
+shared memory) and to other jobs; less where what is free now, less the batch slots and workers of the
+loaders about to start on this node (one a rank), is short of that. A loader over a dataset larger than
+this streams it (``reader.loader``): each block's pages are dropped once read, so that the cache holds
+the blocks read ahead, not the ones already consumed.
 
 How far ahead a streamed loader may read is measured rather than assumed (``free_memory``): what the
 group can still give the page cache now, its limit less the memory that reclaim cannot take back
@@ -25,6 +27,16 @@ from typing import Iterator
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 MEMINFO = Path("/proc/meminfo")
+# What a DataLoader worker takes of its own, beyond the memory it shares with its loader's main process
+# (the anonymous part of its proportional set size, two workers after 100 batches of 256 records, JPEG
+# or raw): 23-29 MB forked (the parent's pages it writes to), about 155 MB spawned or started by a
+# forkserver (it imports torch itself).
+FORKED_WORKER_BYTES = 32 << 20
+STARTED_WORKER_BYTES = 160 << 20
+# The share of what the page cache can still take (``cache_room``) that a dataset kept from one epoch to
+# the next may fill: the rest is slack for what the reckoning misses (file pages the processes map, the
+# kernel's reclaim margins), since a dataset a little larger than the cache is evicted as it is read.
+KEEP_SHARE = 0.75
 
 
 @functools.cache
@@ -32,6 +44,28 @@ def page_cache_budget() -> int:
     """Half of ``min(RAM, this process's cgroup memory limit)``, in bytes (computed once per process)."""
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return min(ram, cgroup_memory_limit() or ram) // 2
+
+
+def cache_room(to_come: int) -> int:
+    """Bytes of shard files that the page cache can keep from one epoch to the next for a loader about
+    to start: half the memory (``page_cache_budget``), and no more than ``KEEP_SHARE`` of what the page
+    cache can still take now (``free_memory``) once ``to_come`` bytes are set aside, what the loaders
+    about to start will take (their batch slots and their workers' own memory, ``worker_bytes``).
+
+    Why both: half the memory leaves the other half to the processes of one training job, but the ranks
+    on one node each bring a main process, workers and batch slots. Four ranks (one worker each) under
+    a 3,000 MB cap took about 1,800 MB of it, so a 1,440 MB dataset, under half the cap, was not
+    streamed: the page cache then held a little less than the dataset, the blocks read ahead were
+    evicted before they were read, and an epoch took 135-146 s instead of about 20. Reckoned so, that
+    dataset filled 97% of the room there, and 81% under 3,300 MB, where the same loaders read it
+    unstreamed in 18 s (``scripts/bench_cold.py --ranks``)."""
+    return min(page_cache_budget(), int((free_memory() - to_come) * KEEP_SHARE))
+
+
+def worker_bytes(start_method: str) -> int:
+    """What one DataLoader worker started by ``start_method`` ("fork", "spawn", "forkserver") takes of
+    its own (``FORKED_WORKER_BYTES``, ``STARTED_WORKER_BYTES``)."""
+    return FORKED_WORKER_BYTES if start_method == "fork" else STARTED_WORKER_BYTES
 
 
 def cgroup_memory_limit(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> int | None:

@@ -121,7 +121,7 @@ class HookedDataLoader(DataLoader):
         has no CUDA tensor to free: those skip the full collection, about 0.09 s on a slow core with
         torch imported, which would delay every loader's first batch."""
         if (self.num_workers > 0 and gc.isenabled() and torch.cuda.is_initialized()
-                and _start_method(self.multiprocessing_context) == "fork"):
+                and worker_start_method(self.multiprocessing_context) == "fork"):
             gc.collect()
         receiver, receiving = self.batch_receiver(), receiving_iterator_class()
         if self.num_workers == 0 or receiver is None or receiving is None:
@@ -130,10 +130,12 @@ class HookedDataLoader(DataLoader):
         return receiving(self, receiver)
 
 
-def _start_method(context: Any) -> str:
-    """How a DataLoader with this ``multiprocessing_context`` (None, a name or a context) starts workers."""
+def worker_start_method(context: Any) -> str:
+    """How a DataLoader with this ``multiprocessing_context`` (None, a name or a context) starts workers:
+    "fork", "spawn" or "forkserver". Asking does not fix the default context (``set_start_method`` may
+    still be called)."""
     if context is None:
-        return multiprocessing.get_start_method()
+        return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
     return context if isinstance(context, str) else context.get_start_method()
 
 

@@ -21,6 +21,7 @@ import reader.lookahead
 from reader import PackedDataset, make_loader
 from reader.batch_memory import TRAILER
 from reader.lookahead import LOOKAHEAD_WINDOWS, STREAM_SHARE, Lookahead, lookahead_samples
+from reader.memory_budget import FORKED_WORKER_BYTES
 from reader.packed_view import PackedView
 
 TIMEOUT_S = 60
@@ -131,21 +132,26 @@ print(*answers, lookahead())
         group.rmdir()
 
 
-def test_only_a_streamed_loader_reckons_its_batches_from_the_record_tables(tmp_path, monkeypatch):
-    """For JPEG records of varying sizes a streamed loader sets aside its batch slots as the record tables
-    say (``PackedDataset.batch_bytes_estimate``, which reads some); a loader that does not stream sets
-    nothing aside, so reads no table when made."""
+def test_a_loader_reckons_its_batches_from_the_record_tables(tmp_path, monkeypatch):
+    """For JPEG records of varying sizes a loader with workers reckons its batch slots as the record
+    tables say (``PackedDataset.batch_bytes_estimate``, which reads some), both to decide whether the
+    dataset streams (``cache_room``, given the slots of the ranks' loaders) and, streamed, to set the
+    slots aside; a loader without workers reads no table when made."""
     sizes = [(13, 15), (40, 24)]
     path = pack_images(tmp_path / "varied", make_images(12, sizes), [0] * 12, storage="lmdb", encoding="jpeg",
                        records_per_shard=4).path
     ds = PackedDataset(path)
-    make_loader(ds, 4, num_workers=2, pin_memory=False)
+    make_loader(ds, 4, num_workers=0)
     assert ds._columns is None
-    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: 1)  # streamed
-    loader = make_loader(ds, 4, num_workers=2, pin_memory=False)
+    asked: list[int] = []
+    monkeypatch.setattr(reader.loader, "cache_room", lambda to_come: asked.append(to_come) or 1)  # streamed
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    loader = make_loader(ds, 4, num_workers=2, pin_memory=False, multiprocessing_context="fork")
     batch = 4 * -(-(13 * 15 * 3 + 40 * 24 * 3) // 2 // 32) * 32 + 32
+    slot = batch + batch // 8 + TRAILER
     assert loader.view.streaming and ds._columns is not None and ds._columns.loaded.all()  # its 4 shards
-    assert loader.batch_sampler.lookahead.unsent == 2 * (batch + batch // 8 + TRAILER)
+    assert loader.batch_sampler.lookahead.unsent == 2 * slot
+    assert asked == [3 * (2 * 4 * slot + 2 * FORKED_WORKER_BYTES)]  # 3 ranks: 2 workers of 4 slots each
 
 def test_the_loader_s_lookahead_counts_the_buffers_made(large_records, monkeypatch):
     """make_loader's stream gets a ``Lookahead``, measured when the loader is made with all its batch
@@ -153,7 +159,7 @@ def test_the_loader_s_lookahead_counts_the_buffers_made(large_records, monkeypat
     back in), without a reference to it."""
     readings: list[int] = []
     monkeypatch.setattr(reader.lookahead, "free_memory", lambda: readings.append(1 << 40) or 1 << 40)
-    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: 1)  # streamed
+    monkeypatch.setattr(reader.loader, "cache_room", lambda to_come: 1)  # streamed
     ds = PackedDataset(large_records, block_bytes=1)
     loader = make_loader(ds, 8, num_workers=2, pin_memory=False, multiprocessing_context="fork")
     lookahead = loader.batch_sampler.lookahead

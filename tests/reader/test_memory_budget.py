@@ -1,11 +1,13 @@
-"""The page cache budget: half of RAM, or of the memory cgroup's limit where one caps this process; and
-the memory free for the page cache now: the limit less what reclaim cannot take back.
+"""The page cache budget: half of RAM, or of the memory cgroup's limit where one caps this process; the
+memory free for the page cache now: the limit less what reclaim cannot take back; and, from both, whether
+a loader's dataset streams, with the ranks sharing a node counted.
 
 The parsing is checked on cgroup v1 and v2 trees written here; the real limit, where this machine lets
 a test create a memory cgroup (root, cgroup v1 or v2 mounted writable), on a real process put in one.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -13,9 +15,18 @@ from pathlib import Path
 
 import pytest
 from hostile_helpers import subprocess_env
-from reader_helpers import memory_cgroup
+from reader_helpers import make_images, memory_cgroup, pack_images
 
-from reader.memory_budget import cgroup_memory_limit, free_memory, page_cache_budget
+from reader.memory_budget import (
+    FORKED_WORKER_BYTES,
+    KEEP_SHARE,
+    STARTED_WORKER_BYTES,
+    cgroup_memory_limit,
+    free_memory,
+    page_cache_budget,
+    worker_bytes,
+)
+from reader.torch_hooks import worker_start_method
 
 TIMEOUT_S = 60
 NO_LIMIT_V1 = 9223372036854771712
@@ -128,3 +139,45 @@ print(before, cached, free_memory())
         assert (56 << 20) < cached - after < (90 << 20)  # the cgroup's counters lag by a few pages a core
     finally:
         group.rmdir()
+
+
+def test_ranks_on_a_node_stream_a_dataset_that_one_rank_keeps_under_a_real_limit(tmp_path):
+    """A process in a real memory cgroup (1 GiB) makes a loader over 16 MB of records (batches of 64 raw
+    records of 128x128: 3 MB), far under half the limit: alone it keeps the dataset in the page cache;
+    told that 64 ranks share the node (``LOCAL_WORLD_SIZE``), it streams it, since their loaders'
+    batch slots and workers leave the page cache less than the dataset; and spawned workers, which
+    import torch each, count more than forked ones (``worker_bytes``)."""
+    records = 320
+    path = pack_images(tmp_path / "packed", make_images(4, [(128, 128)]) * (records // 4), [0] * records,
+                       storage="lmdb", encoding="raw", records_per_shard=records).path
+    group = memory_cgroup(1 << 30)
+    code = """
+import os, sys, warnings
+from reader import PackedDataset, make_loader
+from reader.memory_budget import free_memory
+warnings.simplefilter("ignore")  # 64 ranks get no room to read ahead, and are told so
+ds = PackedDataset(sys.argv[1])
+alone = make_loader(ds, 64, num_workers=2, pin_memory=False, multiprocessing_context="fork").view.streaming
+os.environ["LOCAL_WORLD_SIZE"] = "64"
+shared = make_loader(ds, 64, num_workers=2, pin_memory=False, multiprocessing_context="fork").view.streaming
+print(alone, shared, free_memory())
+"""
+    try:
+        move_in = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
+        done = subprocess.run(["sh", "-c", move_in, "sh", sys.executable, "-c", code, str(path)],
+                              capture_output=True, text=True, timeout=TIMEOUT_S, env=subprocess_env())
+        assert done.returncode == 0, done.stderr
+        alone, shared, free = done.stdout.split()
+        assert (alone, shared) == ("False", "True")
+        slot = 64 * 3 * 128 * 128 * 9 // 8  # a batch, with the slot's headroom
+        assert 16 << 20 < (int(free) - (2 * 4 * slot + 2 * FORKED_WORKER_BYTES)) * KEEP_SHARE  # room for one rank
+        assert int(free) < 64 * 2 * 4 * slot  # 64 ranks' slots alone take more than is free
+    finally:
+        group.rmdir()
+
+
+def test_a_worker_s_own_memory_follows_how_it_starts():
+    assert worker_bytes(worker_start_method("fork")) == FORKED_WORKER_BYTES
+    assert worker_bytes(worker_start_method(multiprocessing.get_context("spawn"))) == STARTED_WORKER_BYTES
+    assert worker_bytes("forkserver") == STARTED_WORKER_BYTES
+    assert worker_start_method(None) in multiprocessing.get_all_start_methods()

@@ -292,11 +292,11 @@ def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypa
     a loader over a dataset that fits keeps it."""
     ds = blocks_of(packed.path, RECORDS_PER_BLOCK)
     assert ds.block_starts().size == COUNT // RECORDS_PER_BLOCK
-    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: 2 * ds.manifest.total_bytes)
+    monkeypatch.setattr(reader.loader, "cache_room", lambda to_come: 2 * ds.manifest.total_bytes)
     streaming, indices, found = dropped_as_received(ds)
     assert not streaming and indices == list(range(COUNT))
     assert len(found) > 20  # every block checked, in every batch after it, was there
-    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: int(ds.manifest.total_bytes * budget_share) or 4)
+    monkeypatch.setattr(reader.loader, "cache_room", lambda to_come: int(ds.manifest.total_bytes * budget_share) or 4)
     if budget_share:  # room to advise a quarter of the set beyond the window (the whole set here)
         reserved = pool_bytes(2, 1, ds.batch_bytes(BATCH), pinned=False)
         total = ds.manifest.total_bytes
@@ -324,7 +324,7 @@ def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, mon
     blocks = ds.block_starts().size
     unbounded = round(LOOKAHEAD_WINDOWS * 16 * len(ds) / blocks)
     window = shard_bytes * 16 // blocks
-    monkeypatch.setattr(reader.loader, "page_cache_budget", lambda: shard_bytes // 4)  # streamed
+    monkeypatch.setattr(reader.loader, "cache_room", lambda to_come: shard_bytes // 4)  # streamed
     reserved = pool_bytes(2, 1, ds.batch_bytes(4), pinned=False)  # 2 workers, prefetch 1, no pinning
     free = reserved + round((window + 20 * shard_bytes // len(ds)) / STREAM_SHARE)
     monkeypatch.setattr(reader.lookahead, "free_memory", lambda: free)
