@@ -3,6 +3,7 @@ every reader class."""
 from __future__ import annotations
 
 import os
+import socket
 
 import torch.distributed as dist
 
@@ -32,6 +33,25 @@ def share_per_rank(count: int, world_size: int, pad: bool) -> int:
 
 
 def ranks_on_this_node() -> int:
-    """The training processes on this node that share its cores and memory (``LOCAL_WORLD_SIZE``, which
-    torchrun, accelerate and Lightning set; 1 without it)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    """The training processes on this node that share its cores and memory: ``LOCAL_WORLD_SIZE`` where
+    the launcher sets it (torchrun, accelerate); else, once the ranks have compared their samplers (one
+    collective, ``note_hosts``), the ranks on this host, as under Lightning's own DDP launcher, Slurm's
+    ``srun`` or ``mpirun``, which do not set it; else 1."""
+    if os.environ.get("LOCAL_WORLD_SIZE"):
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    return _ranks_on_this_host or 1
+
+
+def note_hosts(hosts: list[str]) -> None:
+    """Record, from every rank's host name (``this_host()``, gathered in rank order), how many ranks
+    run on this process's host (``ranks_on_this_node``)."""
+    global _ranks_on_this_host
+    _ranks_on_this_host = hosts.count(this_host())
+
+
+def this_host() -> str:
+    """This machine's name, as the ranks compare it."""
+    return socket.gethostname()
+
+
+_ranks_on_this_host: int | None = None  # from the last note_hosts

@@ -26,7 +26,8 @@ same seed (and see the same dataset). When torch.distributed is initialised the 
 with one collective at construction (``all_gather_object``: every rank must build its sampler, and
 under NCCL each rank's CUDA device must be set first, as DDP needs anyway), and all raise
 ``ValueError`` when they disagree: a per-rank seed (``seed=rank``) would give overlapping shares, some
-records seen twice and others never.
+records seen twice and others never. The same collective tells each rank how many ranks share its
+host (``reader.ranks.ranks_on_this_node``, for launchers that do not set ``LOCAL_WORLD_SIZE``).
 
 Resume: ``start`` skips the first ``start`` samples of this rank's epoch order. It is part of
 ``state_dict()`` and stays in force until ``set_epoch`` moves to another epoch. ``len()`` stays the
@@ -54,7 +55,7 @@ from torch.utils.data import Dataset, Sampler
 from reader.arguments import saved_state, whole_number
 from reader.epoch_order import EpochOrder, QuasiRandomOrder, RandomOrder
 from reader.packed_view import as_view
-from reader.ranks import rank_and_world_size, share_per_rank
+from reader.ranks import note_hosts, rank_and_world_size, share_per_rank, this_host
 
 ORDERS = ("sequential", "random", "quasi_random")
 DEFAULT_BUFFER_BLOCKS = 16
@@ -288,11 +289,14 @@ class ShardSampler(Sampler[int]):
 
 
 def _check_same_on_every_rank(values: dict) -> None:
-    """Raise ``ValueError`` on every rank when the ranks passed different ``values`` (one collective)."""
+    """Raise ``ValueError`` on every rank when the ranks passed different ``values``; and, in the same
+    collective, learn how many ranks share this host (``reader.ranks.note_hosts``)."""
     gathered: list[dict | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, values)
+    dist.all_gather_object(gathered, {"values": values, "host": this_host()})
+    entries = cast(list[dict], gathered)  # every rank sent one
+    note_hosts([entry["host"] for entry in entries])
     for name in values:
-        seen = [entry[name] for entry in cast(list[dict], gathered)]  # every rank sent one
+        seen = [entry["values"][name] for entry in entries]
         if len(set(seen)) > 1:
             each = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(seen))
             raise ValueError(

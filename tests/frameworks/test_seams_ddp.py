@@ -21,6 +21,7 @@ from reader_helpers import make_images, pack_images
 from torch.utils.data import Subset
 
 from reader import PackedDataset, ShardSampler, make_loader
+from reader.ranks import ranks_on_this_node
 
 COUNT = 37  # not a multiple of WORLD * BATCH
 WORLD = 2
@@ -46,12 +47,14 @@ def resume_subset(path: Path) -> Subset:
 def ddp_session(rank: int, path: str, port: int, out: str, one_rank_state: dict) -> None:
     """One rank of the spawned job: runs every scenario and writes what it saw to ``out/rank{r}.json``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("LOCAL_WORLD_SIZE", None)  # as Lightning's own launcher leaves it
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         ds = PackedDataset(path)
         ids = record_ids(ds)
-        seen: dict = {}
+        seen: dict = {"node_ranks": [ranks_on_this_node()]}
         train = make_loader(ds, BATCH, num_workers=0, seed=5)  # rank and world size from torch.distributed
+        seen["node_ranks"].append(ranks_on_this_node())
         train.set_epoch(1)
         seen["train"] = [identify(ids, images) for images, _ in train]
 
@@ -143,6 +146,12 @@ def test_evaluation_covers_every_sample_exactly_once(job):
     assert sum(not ok for rank in ranks for batch in rank["eval"] for ok in batch["valid"]) == 1
     expected = int((job["ds"].targets % 2 == 0).sum())
     assert ranks[0]["metric"] == ranks[1]["metric"] == [expected, COUNT]
+
+
+def test_the_ranks_learn_how_many_share_their_node(job):
+    """Without ``LOCAL_WORLD_SIZE`` (Lightning's own launcher, srun, mpirun set none) a rank counts the
+    ranks on its host from the sampler's collective: before it, 1; after it, both ranks of this machine."""
+    assert [rank["node_ranks"] for rank in job["ranks"]] == [[1, 2], [1, 2]]
 
 
 def test_ranks_with_different_seeds_fail_clearly(job):
