@@ -1,5 +1,6 @@
 """How much of a dataset the page cache can be expected to keep (``cache_room``): half the memory this
-process may use, and less where the processes of the ranks on this node take more than half.
+process may use, and less where the processes and the loaders about to start on this node (one a rank)
+take more than a third of it.
 
 The memory is the machine's RAM, or less where a control group caps it: a Slurm job, a container, a
 Kubernetes pod, or ``scripts/slowdisk``'s ``SLOW_MEM``. Under such a cap the page cache of
@@ -7,10 +8,10 @@ the group is charged to it, so a dataset larger than what is left is read from t
 epoch, whatever the machine's RAM.
 
 Half, because the rest belongs to the processes themselves (torch, the model, batches in flight in
-shared memory) and to other jobs; less where what is free now, less the batch slots and workers of the
-loaders about to start on this node (one a rank), is short of that. A loader over a dataset larger than
-this streams it (``reader.loader``): each block's pages are dropped once read, so that the cache holds
-the blocks read ahead, not the ones already consumed.
+shared memory) and to other jobs; less where three quarters of what is free now, less the batch slots
+and workers of the loaders about to start on this node, is less than that. A loader over a dataset
+larger than this streams it (``reader.loader``): each block's pages are dropped once read, so that the
+cache holds the blocks read ahead, not the ones already consumed.
 
 How far ahead a streamed loader may read is measured rather than assumed (``free_memory``): what the
 group can still give the page cache now, its limit less the memory that reclaim cannot take back
@@ -56,9 +57,12 @@ def cache_room(to_come: int) -> int:
     on one node each bring a main process, workers and batch slots. Four ranks (one worker each) under
     a 3,000 MB cap took about 1,800 MB of it, so a 1,440 MB dataset, under half the cap, was not
     streamed: the page cache then held a little less than the dataset, the blocks read ahead were
-    evicted before they were read, and an epoch took 135-146 s instead of about 20. Reckoned so, that
-    dataset filled 97% of the room there, and 81% under 3,300 MB, where the same loaders read it
-    unstreamed in 18 s (``scripts/bench_cold.py --ranks``)."""
+    evicted before they were read, and an epoch took 124-146 s instead of 17-24. Reckoned so, that
+    dataset filled 97% of the room there; 88% under 3,150 MB, where the first epoch unstreamed took
+    71 s; and 81% under 3,300 MB, where it took 21 s and the next one, from the page cache, 11 s
+    (streamed, as three quarters now has it: 24 s and 19 s). So the share stays under the last good
+    case: streaming a dataset that would have stayed cached costs a read of it an epoch, keeping one
+    that does not fit costs every record at the disk's IOPS (``scripts/bench_cold.py --ranks``)."""
     return min(page_cache_budget(), int((free_memory() - to_come) * KEEP_SHARE))
 
 

@@ -22,7 +22,8 @@ first batch's ``.cuda()``); ``--start-method`` starts the loaders' workers so (`
 they run); ``--ranks N`` runs each of our readers as N DDP ranks on this machine under torchrun (over
 gloo), the ``WORKERS`` shared between them (at least one each), every rank reading its share of each
 epoch and all-reducing a number after each batch, as DDP's gradient sync keeps ranks in step: the
-figures are the job's (all ranks' images over the slowest rank's time, the last rank's first batch).
+figures are the job's (all ranks' images over the slowest rank's time, the last rank's first batch;
+``--hold`` and ``--grow`` taken by each rank).
 
 Reported per run: img/s, seconds, the first batch's wait, what the disk served (bytes, the number and
 mean size of its IOs: ``slowdisk counters``, the block throttle's counters for the slow disk's
@@ -61,15 +62,15 @@ FFCV_ORDERS = {"random": "RANDOM os_cache", "quasi_random": "QUASI_RANDOM"}
 
 
 def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: int = 0,
-                grow_mb: int = 0, start_method: str | None = None) -> list[dict]:
+                grow_mb: int = 0, start_method: str | None = None, ranked: bool = False) -> list[dict]:
     """Per-epoch figures of ``make_loader`` over a packed dataset (the reader on ``sys.path``). On a machine
     with CUDA the loader pins its batches, and CUDA is started first, as a training script's model is
     on the GPU before its first batch: else the first batch's wait would include CUDA's start. With
     ``hold_mb`` the process first holds that much memory of its own (written, so resident), as a CUDA
     context and a model would, before the loader is made; with ``grow_mb`` it takes that much more
     once it has received its first batch (``GrowsAtFirstBatch``); ``start_method`` is the loader's
-    ``multiprocessing_context``. Under torchrun (``--ranks``) each rank reads its share and the
-    figures are the job's (``_whole_job``)."""
+    ``multiprocessing_context``. ``ranked``: this process is one rank under torchrun (``--ranks``); it
+    reads its share, and the figures are the job's (``_whole_job``)."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -77,7 +78,6 @@ def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: in
 
     from reader import PackedDataset, make_loader
 
-    ranked = "RANK" in os.environ
     if ranked:
         dist.init_process_group("gloo")
     held = np.ones(hold_mb << 20, np.uint8)
@@ -123,7 +123,7 @@ def _whole_job(rows: list[dict]) -> list[dict]:
 
     for row in rows:
         images, seconds = row["images"], row["images"] / row["img_s"]
-        cpu = images / row["img_per_cpu_s"] if row["img_per_cpu_s"] else 0.0
+        cpu = images / row["img_per_cpu_s"] if row["img_per_cpu_s"] else float("nan")  # unknown: none
         summed = torch.tensor([images, cpu], dtype=torch.float64)
         slowest = torch.tensor([seconds, row["first_batch_ms"]], dtype=torch.float64)
         dist.all_reduce(summed)
@@ -226,8 +226,9 @@ def run(args: argparse.Namespace) -> None:
             readers.append((f"{label} before", sys.executable, args.before))
         for name, python, checkout in readers:
             for order in args.orders.split(","):
+                launcher, ranked = _launcher(args.ranks)
                 command = ["env", f"PYTHONPATH={_python_path(checkout or HERE.parents[1])}", python,
-                           *_launcher(args.ranks), str(HERE), "read", str(dataset), "--order", order,
+                           *launcher, str(HERE), "read", str(dataset), *ranked, "--order", order,
                            "--epochs", str(args.epochs), "--workers", str(max(1, WORKERS // args.ranks)),
                            "--hold", str(args.hold), "--grow", str(args.grow),
                            *(["--start-method", args.start_method] if args.start_method else [])]
@@ -259,9 +260,12 @@ def run(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
 
-def _launcher(ranks: int) -> list[str]:
-    """What runs a reader as ``ranks`` DDP ranks on this machine (torchrun, over gloo); nothing for one."""
-    return [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+def _launcher(ranks: int) -> tuple[list[str], list[str]]:
+    """What runs a reader as ``ranks`` DDP ranks on this machine (torchrun, over gloo), and the flag
+    that tells the reader so; nothing for one."""
+    if ranks == 1:
+        return [], []
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"], ["--ranked"]
 
 
 def _against_decoding(rows: list[dict], before: float | None, after: float | None, payload_bound: float) -> list[dict]:
@@ -386,6 +390,7 @@ def main() -> None:
         p.add_argument("--hold", type=int, default=0)
         p.add_argument("--grow", type=int, default=0)
         p.add_argument("--start-method", choices=START_METHODS)
+        p.add_argument("--ranked", action="store_true", help="this process is a rank under torchrun")
     args = parser.parse_args()
     if args.command == "run":
         if args.ranks < 1:
@@ -393,8 +398,8 @@ def main() -> None:
         run(args)
     elif args.command == "read":
         rows = read_epochs(args.path, args.order, args.epochs, args.workers, args.hold, args.grow,
-                           args.start_method)
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has the job's rows
+                           args.start_method, args.ranked)
+        if not args.ranked or os.environ["RANK"] == "0":  # under torchrun every rank has the job's rows
             print(json.dumps(rows))
     elif args.command == "decode":
         print(json.dumps(decode_alone(args.path, args.workers)))

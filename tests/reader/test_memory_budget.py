@@ -145,8 +145,7 @@ def test_ranks_on_a_node_stream_a_dataset_that_one_rank_keeps_under_a_real_limit
     """A process in a real memory cgroup (1 GiB) makes a loader over 16 MB of records (batches of 64 raw
     records of 128x128: 3 MB), far under half the limit: alone it keeps the dataset in the page cache;
     told that 64 ranks share the node (``LOCAL_WORLD_SIZE``), it streams it, since their loaders'
-    batch slots and workers leave the page cache less than the dataset; and spawned workers, which
-    import torch each, count more than forked ones (``worker_bytes``)."""
+    batch slots and workers leave the page cache less than the dataset."""
     records = 320
     path = pack_images(tmp_path / "packed", make_images(4, [(128, 128)]) * (records // 4), [0] * records,
                        storage="lmdb", encoding="raw", records_per_shard=records).path
@@ -156,6 +155,7 @@ import os, sys, warnings
 from reader import PackedDataset, make_loader
 from reader.memory_budget import free_memory
 warnings.simplefilter("ignore")  # 64 ranks get no room to read ahead, and are told so
+os.environ.pop("LOCAL_WORLD_SIZE", None)  # alone, even where the suite runs under torchrun
 ds = PackedDataset(sys.argv[1])
 alone = make_loader(ds, 64, num_workers=2, pin_memory=False, multiprocessing_context="fork").view.streaming
 os.environ["LOCAL_WORLD_SIZE"] = "64"
@@ -176,8 +176,25 @@ print(alone, shared, free_memory())
         group.rmdir()
 
 
-def test_a_worker_s_own_memory_follows_how_it_starts():
+def test_a_worker_s_own_memory_follows_how_it_starts(tmp_path):
+    """Spawned and forkserver workers import torch each, so count more than forked ones; asking how a
+    loader's workers start, or making one, leaves the default start method unset, so that the
+    program may still set it."""
     assert worker_bytes(worker_start_method("fork")) == FORKED_WORKER_BYTES
     assert worker_bytes(worker_start_method(multiprocessing.get_context("spawn"))) == STARTED_WORKER_BYTES
     assert worker_bytes("forkserver") == STARTED_WORKER_BYTES
-    assert worker_start_method(None) in multiprocessing.get_all_start_methods()
+    code = """
+import multiprocessing, sys
+import torch
+from reader import PackedDataset, make_loader
+from reader.torch_hooks import worker_start_method
+asked = worker_start_method(None)
+make_loader(PackedDataset(sys.argv[1]), 2, num_workers=2)
+print(asked in multiprocessing.get_all_start_methods(), multiprocessing.get_start_method(allow_none=True))
+"""
+    path = pack_images(tmp_path / "packed", make_images(4, [(8, 8)]), [0] * 4,
+                       storage="lmdb", encoding="raw", records_per_shard=4).path
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env=subprocess_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "None"]
