@@ -33,7 +33,7 @@ from reader.list_batches import is_encoded, moved_together
 from reader.lookahead import Lookahead
 from reader.memory_budget import cache_room, worker_bytes
 from reader.packed_view import PackedView, check_own_reads
-from reader.ranks import ranks_on_this_node
+from reader.ranks import any_rank_on_this_host, ranks_on_this_node
 from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
 from reader.torch_hooks import HookedDataLoader, worker_start_method
 
@@ -325,9 +325,11 @@ def make_loader(
     batch_bytes = view.batch_bytes_estimate(batch_size) if advise else 0
     reserved = pool_bytes(workers, prefetch or 0, batch_bytes, pin)
     # streamed where the page cache cannot keep the dataset once this rank's loader and those of the
-    # other ranks on this node run (each alike)
+    # other ranks on this node run (each alike); where one rank of the node finds so, all stream: the
+    # pages one drops are the others' too
     to_come = ranks_on_this_node() * (reserved + workers * worker_bytes(worker_start_method(multiprocessing_context)))
-    view.streaming = advise is not None and view.shard_bytes() > cache_room(to_come)
+    streams = advise is not None and view.shard_bytes() > cache_room(to_come)
+    view.streaming = any_rank_on_this_host(streams, sampler.world_size) and advise is not None  # all ask
     lookahead = Lookahead(view, buffer_blocks, in_flight * batch_size, reserved,
                           unsent=workers * slot_size(batch_bytes)) if advise else 0
     loader = PackedLoader(

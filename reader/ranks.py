@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import cast
 
 import torch.distributed as dist
 
@@ -47,6 +48,18 @@ def note_hosts(hosts: list[str]) -> None:
     run on this process's host (``ranks_on_this_node``)."""
     global _ranks_on_this_host
     _ranks_on_this_host = hosts.count(this_host())
+
+
+def any_rank_on_this_host(flag: bool, world_size: int) -> bool:
+    """``flag``, or'ed over the ranks on this host where torch.distributed runs these ``world_size``
+    ranks (one collective, which every rank must reach: ``make_loader`` is built on every rank, as its
+    sampler's seed check needs); ``flag`` itself elsewhere. For decisions that the ranks of one node
+    must take alike although each measures the node at its own moment."""
+    if not (dist.is_available() and dist.is_initialized()) or world_size < 2 or world_size != dist.get_world_size():
+        return flag
+    gathered: list[tuple[str, bool] | None] = [None] * world_size
+    dist.all_gather_object(gathered, (this_host(), flag))
+    return any(seen for host, seen in cast(list[tuple[str, bool]], gathered) if host == this_host())
 
 
 def this_host() -> str:

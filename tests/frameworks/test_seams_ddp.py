@@ -20,6 +20,7 @@ from ddp_helpers import free_port, run_ranks
 from reader_helpers import make_images, pack_images
 from torch.utils.data import Subset
 
+import reader.loader
 from reader import PackedDataset, ShardSampler, make_loader
 from reader.ranks import ranks_on_this_node
 
@@ -70,6 +71,10 @@ def ddp_session(rank: int, path: str, port: int, out: str, one_rank_state: dict)
         dist.all_reduce(correct)
         dist.all_reduce(count)
         seen["metric"] = [int(correct), int(count)]
+
+        measured, reader.loader.cache_room = reader.loader.cache_room, lambda to_come: 0 if rank == 1 else 1 << 50
+        seen["streaming"] = [make_loader(ds, BATCH, num_workers=workers).view.streaming for workers in (1, 0)]
+        reader.loader.cache_room = measured  # rank 1 found no room for the dataset, rank 0 plenty
 
         try:
             make_loader(ds, BATCH, num_workers=0, seed=rank)
@@ -152,6 +157,12 @@ def test_the_ranks_learn_how_many_share_their_node(job):
     """Without ``LOCAL_WORLD_SIZE`` (Lightning's own launcher, srun, mpirun set none) a rank counts the
     ranks on its host from the sampler's collective: before it, 1; after it, both ranks of this machine."""
     assert [rank["node_ranks"] for rank in job["ranks"]] == [[1, 2], [1, 2]]
+
+
+def test_where_one_rank_of_a_node_streams_all_do(job):
+    """Each rank measures the node's memory at its own moment; where one finds no room for the dataset,
+    every rank on the node streams it (a loader without workers never does, and still takes part)."""
+    assert [rank["streaming"] for rank in job["ranks"]] == [[True, False], [True, False]]
 
 
 def test_ranks_with_different_seeds_fail_clearly(job):
