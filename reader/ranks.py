@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from reader.arguments import whole_number
 
+_ranks_on_this_host: int | None = None  # from the last note_hosts, where LOCAL_WORLD_SIZE is not set
+
 
 def rank_and_world_size(rank: int | None, world_size: int | None = None) -> tuple[int, int]:
     """``(rank, world_size)``: the arguments where given, else torch.distributed's when it is
@@ -66,5 +68,3 @@ def this_host() -> str:
     """This machine's name, as the ranks compare it."""
     return socket.gethostname()
 
-
-_ranks_on_this_host: int | None = None  # from the last note_hosts
