@@ -67,4 +67,3 @@ def any_rank_on_this_host(flag: bool, world_size: int) -> bool:
 def this_host() -> str:
     """This machine's name, as the ranks compare it."""
     return socket.gethostname()
-
