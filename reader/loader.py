@@ -45,7 +45,8 @@ FEEDER_WAIT_S = 2.0
 
 
 def default_num_workers() -> int:
-    """The cores this process may use, shared among the ranks on this node, at most 8."""
+    """The cores this process may use, shared among the ranks on this node (``ranks_on_this_node``:
+    where the launcher does not say, known once the ranks have built a sampler), at most 8."""
     cores = len(os.sched_getaffinity(0))
     return max(1, min(MAX_DEFAULT_WORKERS, cores // ranks_on_this_node()))
 
@@ -277,7 +278,10 @@ def make_loader(
 
     Order (default ``"quasi_random"``, ``"sequential"`` with ``evaluation``), seed, rank, world_size, pad
     and buffer_blocks go to ``ShardSampler`` (the blocks are the dataset's: ``block_bytes``). ``seed`` is
-    the run's seed, the same on every rank (checked when torch.distributed is initialised). ``num_workers``
+    the run's seed, the same on every rank (checked when torch.distributed is initialised: there
+    ``make_loader`` is collective, called by every rank in the same order, unless ``world_size`` differs
+    from the process group's; its two ``all_gather_object`` calls check the seed and count the ranks
+    on each host, and make the ranks of a host stream alike). ``num_workers``
     defaults to ``default_num_workers()`` (0 reads in the calling process); ``prefetch_factor`` (batches in
     flight per worker) to 2; ``pin_memory`` (batches copied to pinned memory before they are yielded) to
     whether CUDA is available. ``multiprocessing_context`` ("fork", "spawn", "forkserver") is passed to the

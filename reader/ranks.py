@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from reader.arguments import whole_number
 
-_ranks_on_this_host: int | None = None  # from the last note_hosts, where LOCAL_WORLD_SIZE is not set
+# (world size, ranks on this host) from the last note_hosts: used while that process group lasts
+_ranks_on_this_host: tuple[int, int] | None = None
 
 
 def rank_and_world_size(rank: int | None, world_size: int | None = None) -> tuple[int, int]:
@@ -38,18 +39,22 @@ def share_per_rank(count: int, world_size: int, pad: bool) -> int:
 def ranks_on_this_node() -> int:
     """The training processes on this node that share its cores and memory: ``LOCAL_WORLD_SIZE`` where
     the launcher sets it (torchrun, accelerate); else, once the ranks have compared their samplers (one
-    collective, ``note_hosts``), the ranks on this host, as under Lightning's own DDP launcher, Slurm's
-    ``srun`` or ``mpirun``, which do not set it; else 1."""
+    collective, ``note_hosts``) and while that process group lasts, the ranks on this host (by host
+    name), as under Lightning's own DDP launcher, Slurm's ``srun`` or ``mpirun``, which do not set it;
+    else 1 (before the first sampler, after ``destroy_process_group``)."""
     if os.environ.get("LOCAL_WORLD_SIZE"):
         return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
-    return _ranks_on_this_host or 1
+    if _ranks_on_this_host is None or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    world_size, count = _ranks_on_this_host
+    return count if world_size == dist.get_world_size() else 1
 
 
 def note_hosts(hosts: list[str]) -> None:
     """Record, from every rank's host name (``this_host()``, gathered in rank order), how many ranks
     run on this process's host (``ranks_on_this_node``)."""
     global _ranks_on_this_host
-    _ranks_on_this_host = hosts.count(this_host())
+    _ranks_on_this_host = (len(hosts), hosts.count(this_host()))
 
 
 def any_rank_on_this_host(flag: bool, world_size: int) -> bool:

@@ -37,12 +37,14 @@ def run_ranks(fn: Callable[..., Any], args: tuple, nprocs: int, start_method: st
             pytest.fail(f"{nprocs} ranks of {fn.__name__} still ran after {timeout_s:.0f} s: killed")
 
 
-def run_job(command: list[str], timeout_s: float = RANKS_TIMEOUT_S) -> subprocess.CompletedProcess:
+def run_job(command: list[str], timeout_s: float = RANKS_TIMEOUT_S,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``command`` (a launcher such as torchrun, or a script whose framework starts the other ranks)
-    in its own process group, with this checkout first on the path; its output is returned. Still
-    running after ``timeout_s``, the whole group (the ranks included) is killed and the test fails."""
+    in its own process group, with this checkout first on the path (``env``: default
+    ``subprocess_env()``); its output is returned. Still running after ``timeout_s``, the whole group
+    (the ranks included) is killed and the test fails."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=subprocess_env(), start_new_session=True)
+                               env=subprocess_env() if env is None else env, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

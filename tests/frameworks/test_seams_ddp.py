@@ -21,6 +21,7 @@ from reader_helpers import make_images, pack_images
 from torch.utils.data import Subset
 
 import reader.loader
+import reader.ranks
 from reader import PackedDataset, ShardSampler, make_loader
 from reader.ranks import ranks_on_this_node
 
@@ -74,6 +75,11 @@ def ddp_session(rank: int, path: str, port: int, out: str, one_rank_state: dict)
 
         measured, reader.loader.cache_room = reader.loader.cache_room, lambda to_come: 0 if rank == 1 else 1 << 50
         seen["streaming"] = [make_loader(ds, BATCH, num_workers=workers).view.streaming for workers in (1, 0)]
+        if rank == 0:  # a loader of its own (world_size=1): no collective, so rank 1 is not waited for
+            seen["alone"] = make_loader(ds, BATCH, num_workers=1, rank=0, world_size=1).view.streaming
+        hostname, reader.ranks.socket.gethostname = reader.ranks.socket.gethostname, lambda: f"host{rank}"
+        seen["two_hosts"] = [make_loader(ds, BATCH, num_workers=1).view.streaming, ranks_on_this_node()]
+        reader.ranks.socket.gethostname = hostname
         reader.loader.cache_room = measured  # rank 1 found no room for the dataset, rank 0 plenty
 
         try:
@@ -93,9 +99,11 @@ def ddp_session(rank: int, path: str, port: int, out: str, one_rank_state: dict)
         resumed = make_loader(resume_subset(path), BATCH, num_workers=0, seed=8)
         resumed.load_state_dict(one_rank_state)
         seen["after_one_rank_state"] = [identify(ids, images) for images, _ in resumed]
+        seen["node_ranks"].append(ranks_on_this_node())  # the sampler just above counted both again
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    seen["node_ranks"].append(ranks_on_this_node())  # that process group is gone
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
 
 
@@ -155,14 +163,19 @@ def test_evaluation_covers_every_sample_exactly_once(job):
 
 def test_the_ranks_learn_how_many_share_their_node(job):
     """Without ``LOCAL_WORLD_SIZE`` (Lightning's own launcher, srun, mpirun set none) a rank counts the
-    ranks on its host from the sampler's collective: before it, 1; after it, both ranks of this machine."""
-    assert [rank["node_ranks"] for rank in job["ranks"]] == [[1, 2], [1, 2]]
+    ranks on its host from the sampler's collective: before it, 1; after it, both ranks of this machine;
+    ranks given host names of their own count themselves alone; once the process group is destroyed, 1."""
+    assert [rank["node_ranks"] for rank in job["ranks"]] == [[1, 2, 2, 1], [1, 2, 2, 1]]
+    assert [rank["two_hosts"][1] for rank in job["ranks"]] == [1, 1]
 
 
 def test_where_one_rank_of_a_node_streams_all_do(job):
     """Each rank measures the node's memory at its own moment; where one finds no room for the dataset,
-    every rank on the node streams it (a loader without workers never does, and still takes part)."""
+    every rank on the node streams it (a loader without workers never does, and still takes part);
+    not a loader of one rank's own (``world_size=1``, no collective), nor ranks on other hosts."""
     assert [rank["streaming"] for rank in job["ranks"]] == [[True, False], [True, False]]
+    assert job["ranks"][0]["alone"] is False  # its own loader: rank 1's finding is not asked for
+    assert [rank["two_hosts"][0] for rank in job["ranks"]] == [False, True]  # one host's finding, not the other's
 
 
 def test_ranks_with_different_seeds_fail_clearly(job):
