@@ -62,11 +62,19 @@ def any_rank_on_this_host(flag: bool, world_size: int) -> bool:
     ranks (one collective, which every rank must reach: ``make_loader`` is built on every rank, as its
     sampler's seed check needs); ``flag`` itself elsewhere. For decisions that the ranks of one node
     must take alike although each measures the node at its own moment."""
-    if not (dist.is_available() and dist.is_initialized()) or world_size < 2 or world_size != dist.get_world_size():
+    if not across_the_process_group(world_size):
         return flag
+    here = this_host()
     gathered: list[tuple[str, bool] | None] = [None] * world_size
-    dist.all_gather_object(gathered, (this_host(), flag))
-    return any(seen for host, seen in cast(list[tuple[str, bool]], gathered) if host == this_host())
+    dist.all_gather_object(gathered, (here, flag))
+    return any(seen for host, seen in cast(list[tuple[str, bool]], gathered) if host == here)
+
+
+def across_the_process_group(world_size: int) -> bool:
+    """Whether ``world_size`` ranks are torch.distributed's whole process group (initialised, more than
+    one rank): where the ranks' samplers and loaders compare notes in a collective, which each rank
+    then reaches in the same order."""
+    return dist.is_available() and dist.is_initialized() and 1 < world_size == dist.get_world_size()
 
 
 def this_host() -> str:

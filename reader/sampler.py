@@ -55,7 +55,7 @@ from torch.utils.data import Dataset, Sampler
 from reader.arguments import saved_state, whole_number
 from reader.epoch_order import EpochOrder, QuasiRandomOrder, RandomOrder
 from reader.packed_view import as_view
-from reader.ranks import note_hosts, rank_and_world_size, share_per_rank, this_host
+from reader.ranks import across_the_process_group, note_hosts, rank_and_world_size, share_per_rank, this_host
 
 ORDERS = ("sequential", "random", "quasi_random")
 DEFAULT_BUFFER_BLOCKS = 16
@@ -103,7 +103,7 @@ class ShardSampler(Sampler[int]):
         self.history: list[tuple[int, int]] = []
         self._groups = view.block_groups()
         self._orders: dict[tuple, EpochOrder] = {}
-        if distributed and world_size > 1 and world_size == dist.get_world_size():
+        if across_the_process_group(world_size):
             _check_same_on_every_rank({"seed": seed, "order": order, "number of records": self.num_records})
 
     @property
