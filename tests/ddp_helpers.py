@@ -1,17 +1,17 @@
 """Running a test's ranks as real processes (DDP over gloo, or a launcher's job), bounded in time."""
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
 import pytest
 import torch.multiprocessing as mp
 from hostile_helpers import subprocess_env
+from process_tree import kill_tree
 
 RANKS_TIMEOUT_S = 300  # a healthy 2-rank job here takes 5-20 s
 
@@ -33,23 +33,30 @@ def run_ranks(fn: Callable[..., Any], args: tuple, nprocs: int, start_method: st
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
-                process.kill()
+                kill_tree(process.pid)
             pytest.fail(f"{nprocs} ranks of {fn.__name__} still ran after {timeout_s:.0f} s: killed")
 
 
 def run_job(command: list[str], timeout_s: float = RANKS_TIMEOUT_S,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``command`` (a launcher such as torchrun, or a script whose framework starts the other ranks)
-    in its own process group, with this checkout first on the path (``env``: default
-    ``subprocess_env()``); its output is returned. Still running after ``timeout_s``, the whole group
-    (the ranks included) is killed and the test fails."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=subprocess_env() if env is None else env, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+    with this checkout first on the path (``env``: default ``subprocess_env()``); its output is
+    returned. Still running after ``timeout_s``, it is killed with every process below it (torchrun's
+    ranks run in sessions of their own) and the test fails. The output goes through a file, not a
+    pipe, so that no process left holding it can keep the test waiting."""
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                   env=subprocess_env() if env is None else env)
+        try:
+            process.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            kill_tree(process.pid)
+            process.wait()
+            timed_out = True
+        log.seek(0)
+        output = log.read()
+    if timed_out:
         pytest.fail(f"{' '.join(command)} still ran after {timeout_s:.0f} s: killed; its output:\n{output[-3000:]}")
     return subprocess.CompletedProcess(command, process.returncode, output, "")
 

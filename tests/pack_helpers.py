@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from process_tree import children_of
 
 from reader.format import container, load_manifest
 
@@ -123,14 +124,6 @@ def kill_a_worker(pack: subprocess.Popen, dst: Path, event: str, delay: float, d
             return victim
         time.sleep(0.001)
     return None
-
-
-def children_of(pid: int) -> list[int]:
-    """The child processes of ``pid`` (its workers), from ``/proc``."""
-    try:
-        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def _holds(pid: int, paths: list[Path]) -> bool:

@@ -16,6 +16,7 @@ from packer.run.partitions import Part, parse_part
 from reader.format import MANIFEST_NAME
 
 PACK = ("--resize", "16", "--crop", "16", "--partitions", "5", "--shard-size", "2KB", "--quiet")
+TASK_TIMEOUT_S = 120  # a task here packs in about a second; a hung one fails the test
 
 
 def run(*args: object) -> tuple[int, str]:
@@ -144,7 +145,8 @@ def test_the_sbatch_script_packs_one_array_task_each(tmp_path: Path, src: Path) 
     for task in ("1", "2"):
         env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": task,
                "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "2"}
-        subprocess.run(["bash", str(script), str(src), str(dst), *PACK], env=env, check=True, capture_output=True)
+        subprocess.run(["bash", str(script), str(src), str(dst), *PACK], env=env, check=True, capture_output=True,
+                       timeout=TASK_TIMEOUT_S)
     assert run("merge", dst)[0] == 0
     one_shot = tmp_path / "one-shot"
     assert run("pack", src, one_shot, *PACK, "--workers", "0")[0] == 0
@@ -156,7 +158,8 @@ def test_tasks_started_at_the_same_moment_share_dst_safely(tmp_path: Path, src: 
     dst = tmp_path / "parts"
     command = [sys.executable, "-m", "packer", "pack", str(src), str(dst), *PACK, "--workers", "0"]
     tasks = [subprocess.Popen([*command, "--part", f"{i}/3"], stderr=subprocess.PIPE) for i in range(3)]
-    assert [task.wait() for task in tasks] == [0, 0, 0], [task.stderr.read() for task in tasks if task.stderr]
+    codes = [task.wait(timeout=TASK_TIMEOUT_S) for task in tasks]
+    assert codes == [0, 0, 0], [task.stderr.read() for task in tasks if task.stderr]
     (dst / ".pack-plan.json.node7-4242").write_text("{}")  # a copy left by a task killed while staging it
     (dst / "part-00009-shard-00000.lmdb").write_text("")  # files of an older plan with more partitions
     (dst / ".part-00009.json").write_text("{}")

@@ -1,0 +1,40 @@
+"""The suite's bound on a multi-process job holds where a launcher puts the ranks out of reach of a
+process-group kill: a hung torchrun job fails its test in time, and none of its ranks lives on (a
+rank left holding the job's output once kept a whole CI run waiting)."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from ddp_helpers import run_job, torchrun
+
+HANG = """
+import os, sys, time
+from pathlib import Path
+Path(sys.argv[1], f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+time.sleep(3600)
+"""
+TIMEOUT_S = 15  # torchrun starts its two ranks here in 2-5 s
+
+
+def test_a_hung_torchrun_job_fails_and_leaves_no_rank_behind(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=f"still ran after {TIMEOUT_S} s: killed"):
+        run_job(torchrun(str(script), str(tmp_path)), timeout_s=TIMEOUT_S)
+    assert time.monotonic() - started < TIMEOUT_S + 30
+    pids = [int((tmp_path / f"rank{rank}.pid").read_text()) for rank in range(2)]
+    for pid in pids:
+        assert not _alive(pid), f"rank process {pid} outlived its job"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie not yet reaped by its new parent counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
