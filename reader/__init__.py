@@ -1,12 +1,15 @@
 """Fast torch reader for packed image datasets (see ``reader/format/FORMAT.md``).
 
 The names below import on first use, so that ``reader.format`` (all the packer needs) loads without
-torch: ``packer info`` answers in a fraction of a second.
+torch: ``packer info`` answers in a fraction of a second. Importing ``reader`` guards this process's
+later forks against a CPython bug that can hang a forked worker at its start (``reader.fork_guard``).
 """
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from reader.fork_guard import install as _guard_forks
 
 if TYPE_CHECKING:
     from reader.dataset import PackedDataset
@@ -32,6 +35,7 @@ _HOMES = {
     "split": "reader.splits",
 }
 __all__ = sorted(_HOMES)
+_guard_forks()
 
 
 def __getattr__(name: str) -> Any:
