@@ -16,16 +16,25 @@
 #include <pthread.h>
 
 #if PY_VERSION_HEX >= 0x030A0000 && PY_VERSION_HEX < 0x030C0000
+#include "internal/pycore_pymem.h"
 #include "internal/pycore_runtime.h"
 #define FORK_GUARD_NEEDED 1
 
 static void new_head_lock_in_child(void) {
-    /* On failure the lock stays as it was: the child is no worse off than without the guard. */
+    /* The new lock comes from the default raw allocator, as in the fixed releases: an allocator hooked
+     * in its place (tracemalloc's) takes the GIL, which in the child of a fork made by a C thread
+     * belongs to a thread that does not exist there. On failure the lock stays as it was: the child
+     * is no worse off than without the guard. */
+    PyMemAllocatorEx hooked;
+    _PyMem_SetDefaultAllocator(PYMEM_DOMAIN_RAW, &hooked);
     (void)_PyThread_at_fork_reinit(&_PyRuntime.interpreters.mutex);
+    PyMem_SetAllocator(PYMEM_DOMAIN_RAW, &hooked);
 }
 #endif
 
+#ifdef FORK_GUARD_NEEDED
 static int installed = 0;
+#endif
 
 static PyObject *install(PyObject *self, PyObject *unused) {
 #ifdef FORK_GUARD_NEEDED

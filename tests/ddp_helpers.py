@@ -33,7 +33,8 @@ def run_ranks(fn: Callable[..., Any], args: tuple, nprocs: int, start_method: st
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
-                kill_tree(process.pid)
+                if process.exitcode is None:  # a reaped rank's pid may be another process's by now
+                    kill_tree(process.pid)
             pytest.fail(f"{nprocs} ranks of {fn.__name__} still ran after {timeout_s:.0f} s: killed")
 
 
@@ -54,6 +55,10 @@ def run_job(command: list[str], timeout_s: float = RANKS_TIMEOUT_S,
             kill_tree(process.pid)
             process.wait()
             timed_out = True
+        except BaseException:  # pytest-timeout's failure, a Ctrl-C: the job goes with the test
+            kill_tree(process.pid)
+            process.wait()
+            raise
         log.seek(0)
         output = log.read()
     if timed_out:

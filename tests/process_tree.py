@@ -38,20 +38,23 @@ def kill_tree(pid: int) -> None:
     until no new process appears, then killed, so that none starts a child between the walk and the
     kill, nor is re-parented out of reach when its parent dies first."""
     stopped: set[int] = set()
-    while True:
-        tree = {pid, *descendants_of(pid)} | stopped
-        new = tree - stopped
-        if not new:
-            break
-        for process in new:
-            _signal(process, signal.SIGSTOP)
-        stopped |= new
-    for process in stopped:
-        _signal(process, signal.SIGKILL)
+    try:
+        while True:
+            new = {pid, *descendants_of(pid)} - stopped
+            if not new:
+                break
+            for process in new:
+                _signal(process, signal.SIGSTOP)
+            stopped |= new
+    finally:  # none left stopped for good, whatever the walk met
+        for process in stopped:
+            _signal(process, signal.SIGKILL)
 
 
 def _signal(pid: int, signum: int) -> None:
+    """Send ``signum`` to ``pid`` where it can be: a process gone, or one not this test's to signal, is
+    left alone."""
     try:
         os.kill(pid, signum)
-    except ProcessLookupError:
+    except OSError:
         pass

@@ -405,6 +405,7 @@ class Interrupted(Exception):
     pass
 
 
+@pytest.mark.timeout(method="thread")  # the test's own SIGALRM would replace pytest-timeout's signal
 def test_an_interrupt_while_waiting_does_not_wait_for_the_loader() -> None:
     """Ctrl-C while the loop waits for the preparing thread, stuck in a loader that does not answer,
     reaches the caller at once."""

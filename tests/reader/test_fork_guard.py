@@ -1,6 +1,7 @@
 """Forks from a process whose C threads keep entering the interpreter (as torch.distributed's backend
 threads do under DDP) all complete once ``reader`` is imported, on the CPython releases whose forked
-child can otherwise wait forever on the interpreter-list lock (``reader.fork_guard``)."""
+child can otherwise wait forever on the interpreter-list lock (``reader.fork_guard``); and so do forks
+made by a C thread, which the guard's handler also runs in."""
 from __future__ import annotations
 
 import json
@@ -50,6 +51,39 @@ stop.set()
 print(json.dumps({"guarded": install(), "stuck": stuck}))
 """
 
+# fork() called by a C thread (pthread_create with fork as its start routine: as a C++ library's
+# system() does) while tracemalloc traces the allocations and a Python thread runs: the guard's new lock
+# must not come through tracemalloc's allocator, which takes a GIL that no thread of the child holds
+# (9 of 20 such children hung when it did)
+C_THREAD_FORKS_WHILE_TRACING = """
+import ctypes, json, os, signal, sys, threading, time, tracemalloc
+import reader
+from reader.fork_guard import install
+tracemalloc.start()
+stop = threading.Event()
+def spin():
+    while not stop.is_set():
+        pass
+threading.Thread(target=spin, daemon=True).start()
+libc = ctypes.CDLL(None)
+fork = ctypes.cast(libc.fork, ctypes.c_void_p)
+stuck = 0
+for _ in range(int(sys.argv[1])):
+    thread, child = ctypes.c_ulong(), ctypes.c_void_p()
+    libc.pthread_create(ctypes.byref(thread), None, fork, None)
+    libc.pthread_join(thread, ctypes.byref(child))  # the child's only thread returns: it exits
+    deadline = time.monotonic() + 5
+    while not os.waitpid(child.value, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            stuck += 1
+            os.kill(child.value, signal.SIGKILL)
+            os.waitpid(child.value, 0)
+            break
+        time.sleep(0.002)
+stop.set()
+print(json.dumps({"guarded": install(), "stuck": stuck}))
+"""
+
 
 @pytest.mark.parametrize("version, hangs", [
     ((3, 10, 12), True), ((3, 10, 15), False), ((3, 11, 7), True), ((3, 11, 9), True), ((3, 11, 10), False),
@@ -59,10 +93,12 @@ def test_the_releases_whose_forks_can_hang(version, hangs):
     assert fork_guard.forks_can_hang(version) is hangs
 
 
-def test_forks_complete_while_c_threads_enter_the_interpreter():
+@pytest.mark.parametrize("script, forks", [(FORK_WHILE_C_THREADS_ENTER, FORKS), (C_THREAD_FORKS_WHILE_TRACING, 20)],
+                         ids=["c-threads-enter", "c-thread-forks-while-tracing"])
+def test_forks_complete(script, forks):
     if fork_guard.forks_can_hang() and fork_guard._fork_guard is None:
         pytest.skip("reader._fork_guard is not built here (no C compiler)")
-    run = subprocess.run([sys.executable, "-c", FORK_WHILE_C_THREADS_ENTER, str(FORKS)], capture_output=True,
-                         text=True, timeout=240, env=subprocess_env())
+    run = subprocess.run([sys.executable, "-c", script, str(forks)], capture_output=True, text=True, timeout=240,
+                         env=subprocess_env())
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == {"guarded": True, "stuck": 0}
