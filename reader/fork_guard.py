@@ -14,12 +14,14 @@ two DDP test jobs in 52 hung at an epoch's start, a new loader's worker stuck in
 fixed releases make, from the C extension ``reader._fork_guard``, for every later fork of the process:
 the reader's workers, and any other library's. Workers stay forked (no forkserver, which would start
 slower and import the training script once more). Where the extension is not built the hang stays
-possible on those releases; upgrading CPython, or ``make_loader(..., multiprocessing_context=
+possible on those releases, and ``make_loader`` says so to a DDP rank about to fork its workers
+(``warn_where_unguarded``): upgrading CPython, or ``make_loader(..., multiprocessing_context=
 "forkserver")`` with a main module that is safe to import, avoids it.
 """
 from __future__ import annotations
 
 import sys
+import warnings
 
 try:
     from reader import _fork_guard
@@ -35,6 +37,23 @@ def forks_can_hang(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bo
     that a thread of its parent held at the fork (``FORK_FIXED_IN``)."""
     fixed = FORK_FIXED_IN.get((version[0], version[1]))
     return fixed is not None and tuple(version[:3]) < fixed
+
+
+def warn_where_unguarded(start_method: str) -> None:
+    """A ``RuntimeWarning`` naming the remedies where a DDP rank is about to fork its workers
+    (``start_method`` "fork") on a CPython whose forks can hang, without the guard (the extension not
+    built): the hang is rare, and silent when it comes."""
+    import torch.distributed as dist  # here: importing reader (which installs the guard) needs no torch
+
+    if start_method != "fork" or install() or not (dist.is_available() and dist.is_initialized()):
+        return
+    version = ".".join(map(str, sys.version_info[:3]))
+    warnings.warn(
+        f"this DDP rank forks its DataLoader workers on CPython {version}, where a forked worker can hang "
+        "at its start (python/cpython#112275), and reader._fork_guard, which prevents it, is not built "
+        "(no C compiler at install): upgrade CPython (3.10.15, 3.11.10 or later), reinstall with a C "
+        "compiler, or pass multiprocessing_context=\"forkserver\" from a script with an "
+        "if __name__ == \"__main__\": guard", RuntimeWarning, stacklevel=3)
 
 
 def install() -> bool:

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from reader.arguments import whole_number
 from reader.batch_memory import SlotReleaser, enable_handoff, hand_over, pool_bytes, received_labels, slot_size
 from reader.batch_stream import BatchStream
+from reader.fork_guard import warn_where_unguarded
 from reader.list_batches import is_encoded, moved_together
 from reader.lookahead import Lookahead
 from reader.memory_budget import cache_room, worker_bytes
@@ -328,12 +329,15 @@ def make_loader(
     # for JPEG records of varying sizes the estimate reads some record tables
     batch_bytes = view.batch_bytes_estimate(batch_size) if advise else 0
     reserved = pool_bytes(workers, prefetch or 0, batch_bytes, pin)
+    start_method = worker_start_method(multiprocessing_context)
     # streamed where the page cache cannot keep the dataset once this rank's loader and those of the
     # other ranks on this node run (each alike); where one rank of the node finds so, all stream: the
     # pages one drops are the others' too
-    to_come = ranks_on_this_node() * (reserved + workers * worker_bytes(worker_start_method(multiprocessing_context)))
+    to_come = ranks_on_this_node() * (reserved + workers * worker_bytes(start_method))
     streams = advise is not None and view.shard_bytes() > cache_room(to_come)
     view.streaming = any_rank_on_this_host(streams, sampler.world_size) and advise is not None  # all ask
+    if workers > 0:
+        warn_where_unguarded(start_method)
     lookahead = Lookahead(view, buffer_blocks, in_flight * batch_size, reserved,
                           unsent=workers * slot_size(batch_bytes)) if advise else 0
     loader = PackedLoader(

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
+import torch.distributed as dist
 from hostile_helpers import subprocess_env
 
-from reader import fork_guard
+from reader import PackedDataset, fork_guard, make_loader
 
 FORKS = 600
 # Threads started by C (pthread_create through ctypes) that run a Python callback: each one creates its
@@ -102,3 +104,30 @@ def test_forks_complete(script, forks):
                          env=subprocess_env())
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == {"guarded": True, "stuck": 0}
+
+
+@pytest.mark.parametrize("context, ddp, warned", [
+    (None, True, True), ("forkserver", True, False), (None, False, False),
+])
+def test_a_rank_about_to_fork_unguarded_is_told_the_remedies(raw_path, tmp_path, monkeypatch, context, ddp, warned):
+    """Where the guard is missing on a CPython whose forks can hang, a DDP rank's loader that forks its
+    workers warns, naming the extension and the ways out; one that starts them otherwise, or a process
+    without DDP, does not."""
+    monkeypatch.setattr(fork_guard, "_fork_guard", None)
+    monkeypatch.setattr(fork_guard, "forks_can_hang", lambda: True)
+    if ddp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            make_loader(PackedDataset(raw_path), 4, num_workers=1, multiprocessing_context=context)
+    finally:
+        if ddp:
+            dist.destroy_process_group()
+    about_forks = [w for w in seen if issubclass(w.category, RuntimeWarning) and "_fork_guard" in str(w.message)]
+    assert len(about_forks) == warned
+    if warned:
+        message = str(about_forks[0].message)
+        assert "python/cpython#112275" in message and "reader._fork_guard, which prevents it, is not built" in message
+        assert "3.11.10" in message and 'multiprocessing_context="forkserver"' in message
+        assert about_forks[0].filename == __file__, "the warning points at the make_loader call"
