@@ -7,8 +7,8 @@
  * the GIL), leaves it locked in the child, which then waits forever. install() registers a
  * pthread_atfork child handler that gives the child a new, unlocked lock first, as the fixed releases
  * do; glibc runs it inside fork(), before os.fork() calls PyOS_AfterFork_Child. As there, the old
- * lock is leaked, not freed: it may be in any state. Compiled for 3.10 and 3.11 only (3.12 has the
- * fix); reader/fork_guard.py decides where to install it.
+ * lock is leaked, not freed: it may be in any state. The handler is built for 3.10 and 3.11 only
+ * (3.12 has the fix; there install() returns False); reader/fork_guard.py decides where to install it.
  */
 #define PY_SSIZE_T_CLEAN
 #define Py_BUILD_CORE_MODULE

@@ -39,6 +39,15 @@ def forks_can_hang(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bo
     return fixed is not None and tuple(version[:3]) < fixed
 
 
+def install() -> bool:
+    """Guard every later fork of this process where this CPython needs it (once); whether forks from
+    this process are now safe from that hang: True where the CPython has the fix (or the interpreter is
+    not CPython) or the guard is in, False where it lacks both (the extension not built)."""
+    if sys.implementation.name != "cpython" or not forks_can_hang():
+        return True
+    return _fork_guard is not None and _fork_guard.install()
+
+
 def warn_where_unguarded(start_method: str) -> None:
     """A ``RuntimeWarning`` naming the remedies where a DDP rank is about to fork its workers
     (``start_method`` "fork") on a CPython whose forks can hang, without the guard (the extension not
@@ -54,12 +63,3 @@ def warn_where_unguarded(start_method: str) -> None:
         "(no C compiler at install): upgrade CPython (3.10.15, 3.11.10 or later), reinstall with a C "
         "compiler, or pass multiprocessing_context=\"forkserver\" from a script with an "
         "if __name__ == \"__main__\": guard", RuntimeWarning, stacklevel=3)
-
-
-def install() -> bool:
-    """Guard every later fork of this process where this CPython needs it (once); whether forks from
-    this process are now safe from that hang: True where the CPython has the fix or the guard is in,
-    False where it lacks both (the extension not built)."""
-    if sys.implementation.name != "cpython" or not forks_can_hang():
-        return True
-    return _fork_guard is not None and _fork_guard.install()
