@@ -30,7 +30,6 @@ from packer.run.partitions import Part, parse_part
 from packer.run.ray_runner import ray_runner
 from packer.source.labels_file import declare_field
 from packer.source.scan import LABEL_KINDS
-from packer.splitting import split_dataset
 from packer.tools.inspection import DatasetInfo, class_counts, describe_transform, info
 from packer.tools.showing import show
 from packer.tools.verification import verify
@@ -266,27 +265,6 @@ def _join(out: Path, inputs: tuple[Path, ...], force: bool) -> None:
     how = f"{report.linked} hard-linked (no bytes copied), {report.copied} copied"
     say(f"joined {len(inputs)} datasets into {out}: {manifest.num_records} images in "
         f"{len(manifest.classes)} classes, {len(manifest.shards)} shards ({how})")
-
-
-@main.command("split")
-@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("train", type=click.Path(path_type=Path))
-@click.argument("val", type=click.Path(path_type=Path))
-@click.option("--val-fraction", type=float, required=True, help="The share of each class that goes to VAL.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="The split's seed: the same records as reader.split(ds, val_fraction, seed).")
-@click.option("--shard-size", type=ByteSize(), default=PackOptions.shard_size, show_default="512MiB",
-              help="Payload bytes per shard of each part.")
-@click.option("--force", is_flag=True, help="Overwrite finished datasets at TRAIN and VAL.")
-def split_command(src: Path, train: Path, val: Path, val_fraction: float, seed: int, shard_size: int,
-                  force: bool) -> None:
-    """Write the finished dataset SRC again as two datasets, TRAIN and VAL: the records
-    reader.split(PackedDataset(SRC), val_fraction, seed) puts in each, copied (never decoded), so
-    that a validation pass from a slow disk reads only its own records."""
-    report = split_dataset(src, train, val, val_fraction, seed=seed, shard_size=shard_size, force=force)
-    for out, manifest in ((train, report.train), (val, report.val)):
-        say(f"{out}: {manifest.num_records} images in {len(manifest.classes)} classes, {len(manifest.shards)} "
-            f"shards, {_megabytes(manifest.total_bytes)}")
 
 
 @main.command("info")
