@@ -48,17 +48,15 @@ def run_job(command: list[str], timeout_s: float = RANKS_TIMEOUT_S,
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True,
                                    env=subprocess_env() if env is None else env)
+        timed_out = False
         try:
             process.wait(timeout=timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
+        except BaseException as error:  # the timeout, or pytest-timeout's failure, a Ctrl-C: the job goes too
             kill_tree(process.pid)
             process.wait()
+            if not isinstance(error, subprocess.TimeoutExpired):
+                raise
             timed_out = True
-        except BaseException:  # pytest-timeout's failure, a Ctrl-C: the job goes with the test
-            kill_tree(process.pid)
-            process.wait()
-            raise
         log.seek(0)
         output = log.read()
     if timed_out:

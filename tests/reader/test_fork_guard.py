@@ -16,14 +16,27 @@ from hostile_helpers import subprocess_env
 from reader import PackedDataset, fork_guard, make_loader
 
 FORKS = 600
+# What both scripts start with: the guard (by importing reader), and the check of one child
+PRELUDE = """
+import ctypes, json, os, signal, sys, threading, time, tracemalloc
+import reader
+from reader.fork_guard import install
+def stuck_child(child):
+    \"\"\"1 (killed) when ``child`` has not exited within 5 s, else 0.\"\"\"
+    deadline = time.monotonic() + 5
+    while not os.waitpid(child, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            return 1
+        time.sleep(0.002)
+    return 0
+"""
 # Threads started by C (pthread_create through ctypes) that run a Python callback: each one creates its
 # interpreter state under that lock, without the GIL. Without the guard, 13 of 2,000 such forks hung on
 # CPython 3.11.7 here, so a test of 600 would miss a lost guard about one time in fifty; with it, none
 # of 2,000 did.
-FORK_WHILE_C_THREADS_ENTER = """
-import ctypes, json, os, signal, sys, threading, time
-import reader
-from reader.fork_guard import install
+FORK_WHILE_C_THREADS_ENTER = PRELUDE + """
 libc = ctypes.CDLL(None)
 @ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 def enter(_):
@@ -41,14 +54,7 @@ for _ in range(int(sys.argv[1])):
     child = os.fork()
     if child == 0:
         os._exit(0)
-    deadline = time.monotonic() + 5
-    while not os.waitpid(child, os.WNOHANG)[0]:
-        if time.monotonic() > deadline:
-            stuck += 1
-            os.kill(child, signal.SIGKILL)
-            os.waitpid(child, 0)
-            break
-        time.sleep(0.002)
+    stuck += stuck_child(child)
 stop.set()
 print(json.dumps({"guarded": install(), "stuck": stuck}))
 """
@@ -57,10 +63,7 @@ print(json.dumps({"guarded": install(), "stuck": stuck}))
 # system() does) while tracemalloc traces the allocations and a Python thread runs: the guard's new lock
 # must not come through tracemalloc's allocator, which takes a GIL that no thread of the child holds
 # (9 of 20 such children hung when it did)
-C_THREAD_FORKS_WHILE_TRACING = """
-import ctypes, json, os, signal, sys, threading, time, tracemalloc
-import reader
-from reader.fork_guard import install
+C_THREAD_FORKS_WHILE_TRACING = PRELUDE + """
 tracemalloc.start()
 stop = threading.Event()
 def spin():
@@ -74,14 +77,7 @@ for _ in range(int(sys.argv[1])):
     thread, child = ctypes.c_ulong(), ctypes.c_void_p()
     libc.pthread_create(ctypes.byref(thread), None, fork, None)
     libc.pthread_join(thread, ctypes.byref(child))  # the child's only thread returns: it exits
-    deadline = time.monotonic() + 5
-    while not os.waitpid(child.value, os.WNOHANG)[0]:
-        if time.monotonic() > deadline:
-            stuck += 1
-            os.kill(child.value, signal.SIGKILL)
-            os.waitpid(child.value, 0)
-            break
-        time.sleep(0.002)
+    stuck += stuck_child(child.value)
 stop.set()
 print(json.dumps({"guarded": install(), "stuck": stuck}))
 """
