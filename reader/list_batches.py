@@ -50,7 +50,7 @@ def shared_buffer(tensors: Sequence[Any]) -> tuple[torch.Tensor, int] | None:
 def moved_together(tensors: list[Any], move: Callable[[Any], Any]) -> list[Any]:
     """``[move(t) for t in tensors]``, done as one ``move`` of the buffer they share (``shared_buffer``)
     and views of its result with the same shapes and strides; item by item when they share none (or
-    are not all tensors). ``move`` returns a contiguous copy (``pin_memory``, ``.to(device)``) or its
+    are not all tensors). ``move`` returns a contiguous copy (``reader.pinning.pinned``, ``.to(device)``) or its
     argument itself (``.to()`` the device it is on)."""
     shared = shared_buffer(tensors)
     if shared is None:

@@ -34,6 +34,7 @@ from reader.list_batches import is_encoded, moved_together
 from reader.lookahead import Lookahead
 from reader.memory_budget import cache_room, worker_bytes
 from reader.packed_view import PackedView, check_own_reads
+from reader.pinning import pinned
 from reader.ranks import any_rank_on_this_host, ranks_on_this_node
 from reader.sampler import DEFAULT_BUFFER_BLOCKS, ShardSampler
 from reader.torch_hooks import HookedDataLoader, worker_start_method
@@ -64,9 +65,9 @@ class PackedLoader(HookedDataLoader):
     after ``load_state_dict()``: a resumed loop yields only the ``len(loader) - batches_done()``
     batches left, so a consumer that counts from its restored position (Lightning's ``batch_idx``,
     ``CUDAPrefetcher``'s ``"batches"``, an LR schedule sized by ``len()``) ends the epoch exactly where
-    an uninterrupted run would. With ``pin_batches`` each batch is copied into pinned memory in
-    the iterating thread (torch's caching host allocator reuses those blocks), which also frees its
-    shared-memory slot at once.
+    an uninterrupted run would. With ``pin_batches`` each batch is copied into pinned memory by
+    the iterating thread alone (``reader.pinning``; torch's caching host allocator reuses those
+    blocks), which also frees its shared-memory slot at once.
 
     Epochs: each ``for`` loop yields the sampler's current epoch; without ``set_epoch`` calls every
     loop repeats the same epoch, as torch's ``DistributedSampler`` does. With workers, the batch
@@ -187,7 +188,7 @@ class PackedLoader(HookedDataLoader):
                 taken = slice(start + self._yielded, start + self._yielded + len(batch[1]))
                 batch = (*batch, torch.from_numpy(share[0][taken]), torch.from_numpy(share[1][taken]))
             if self._pin_batches:
-                batch = (_pinned(batch[0]), *(tensor.pin_memory() for tensor in batch[1:]))
+                batch = (_pinned(batch[0]), *(pinned(tensor) for tensor in batch[1:]))
                 if len(self._pinned_bytes) < 2:
                     images = batch[0]
                     self._pinned_bytes.append(images.nbytes if isinstance(images, torch.Tensor)
@@ -243,10 +244,10 @@ def _pinned(images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[to
     (``reader.list_batches``); encoded records stay where they are, since they are decoded from host
     memory (nvJPEG reads them itself, the host decoder needs no pinning)."""
     if not isinstance(images, list):
-        return images.pin_memory()
+        return pinned(images)
     if is_encoded(images):
         return images
-    return moved_together(images, torch.Tensor.pin_memory)
+    return moved_together(images, pinned)
 
 
 def make_loader(

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from reader.arguments import true_or_false, whole_number
+from reader.pinning import pinned
 
 _RRC_ATTEMPTS = 10
 
@@ -127,7 +128,7 @@ def _device_tensor(values: list, device: torch.device, dtype: torch.dtype) -> to
     """``values`` on ``device`` without blocking the host: a CUDA copy goes through pinned memory."""
     host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
+        return pinned(host).to(device, non_blocking=True)
     return host.to(device)
 
 

@@ -17,7 +17,6 @@ import threading
 import warnings
 from typing import Callable
 
-import numpy as np
 import torch
 
 from reader.format.jpeg_decode import decode_jpeg_into
@@ -82,18 +81,17 @@ def _no_gpu_decoder(reason: str) -> None:
 
 
 def _host_decode(position: int, payload: torch.Tensor) -> torch.Tensor:
-    """One payload decoded by libjpeg-turbo to a ``[3, H, W]`` uint8 tensor (pinned when CUDA is there,
-    so that its copy to the device is asynchronous), as ``PackedDataset`` decodes by default
-    (``fast_decode=True``), and with the GIL released where the system's TurboJPEG is there, so that
-    the training thread runs on meanwhile."""
+    """One payload decoded by libjpeg-turbo to a ``[3, H, W]`` uint8 tensor (decoded straight into
+    pinned memory when CUDA is there, so that its copy to the device is asynchronous), as
+    ``PackedDataset`` decodes by default (``fast_decode=True``), and with the GIL released where the
+    system's TurboJPEG is there, so that the training thread runs on meanwhile."""
     import simplejpeg  # reader.format.jpeg_decode's binding; its header reader gives the size
 
     data = payload.numpy().tobytes()
     try:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        out = np.empty((height, width, 3), np.uint8)
-        decode_jpeg_into(memoryview(data), out, fast=True, release_gil=True)
+        out = torch.empty((height, width, 3), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        decode_jpeg_into(memoryview(data), out.numpy(), fast=True, release_gil=True)
     except ValueError as e:
         raise ValueError(f"sample {position} of the batch is not a valid JPEG payload ({e})") from None
-    image = torch.from_numpy(out).permute(2, 0, 1)
-    return image.pin_memory() if torch.cuda.is_available() else image
+    return out.permute(2, 0, 1)

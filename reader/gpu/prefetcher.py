@@ -43,6 +43,7 @@ from reader.epoch_cursor import EpochCursor
 from reader.gpu.augment import BatchAugment, augment_from, seeded_generator
 from reader.gpu.jpeg_batches import decode_jpegs
 from reader.list_batches import is_encoded, moved_together
+from reader.pinning import pinned
 from reader.ranks import rank_and_world_size
 
 Batch = tuple[torch.Tensor, ...] | dict[str, Any]  # a mapping with make_loader(fields=...)
@@ -275,8 +276,8 @@ class CUDAPrefetcher(EpochCursor):
             return moved_together(list(tensors), self._to_device)
         if not isinstance(tensors, torch.Tensor):
             return tensors
-        if self.stream is not None and not tensors.is_pinned():
-            tensors = tensors.pin_memory()
+        if self.stream is not None:
+            tensors = pinned(tensors)
         return tensors.to(self.device, non_blocking=True)
 
     def _synced_for_consumer(self, pending: _Preparing) -> Batch | None:
