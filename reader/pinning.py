@@ -18,17 +18,19 @@ import torch
 
 def pinned(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself when already pinned, else a pinned copy with its shape and dtype; a
-    non-contiguous tensor is pinned by ``pin_memory()`` (its strides kept, its copy multi-threaded)."""
+    non-contiguous tensor, or a conjugate or negative view (whose bytes are not its values), is pinned
+    by ``pin_memory()`` (its strides kept, its copy multi-threaded)."""
     if tensor.is_pinned():
         return tensor
-    if not tensor.is_contiguous():
+    if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
         return tensor.pin_memory()
     return copy_on_this_thread(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), tensor)
 
 
 def copy_on_this_thread(destination: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """Copy contiguous ``source`` into contiguous ``destination`` (same shape and dtype, both on the
-    CPU) as one memcpy on the calling thread, and return ``destination``."""
+    CPU) as one memcpy on the calling thread, and return ``destination``; a non-contiguous one is a
+    ``RuntimeError`` from torch."""
     if destination.shape != source.shape or destination.dtype != source.dtype:
         raise ValueError(f"cannot copy a {source.dtype} {tuple(source.shape)} tensor into a "
                          f"{destination.dtype} {tuple(destination.shape)} one")
@@ -37,5 +39,6 @@ def copy_on_this_thread(destination: torch.Tensor, source: torch.Tensor) -> torc
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor of any dtype, as a numpy array sharing its memory."""
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    """The bytes of a contiguous CPU tensor of any dtype, as a numpy array sharing its memory (a
+    non-contiguous one raises: ``view`` never copies)."""
+    return tensor.detach().view(-1).view(torch.uint8).numpy()

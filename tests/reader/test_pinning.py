@@ -31,6 +31,13 @@ def test_copy_refuses_a_destination_of_another_shape_or_dtype():
         copy_on_this_thread(torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int64))
 
 
+def test_copy_refuses_a_non_contiguous_destination():
+    destination = torch.zeros(4, 3).t()
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        copy_on_this_thread(destination, torch.arange(12.0).reshape(3, 4))
+    assert not destination.any()
+
+
 def _cpu_of_others(copy) -> tuple[float, float]:
     """(CPU seconds of this thread, CPU seconds of the process's other threads) over 6 copies 20 ms
     apart, as a loader pins batches between training steps."""
@@ -51,8 +58,9 @@ def test_copy_keeps_torchs_thread_team_idle():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        _, others_torch = _cpu_of_others(lambda: destination.copy_(source))
+        time.sleep(0.3)  # the spin of parallel work before this test ends (OpenMP's longest default: 0.2 s)
         mine, others_ours = _cpu_of_others(lambda: copy_on_this_thread(destination, source))
+        _, others_torch = _cpu_of_others(lambda: destination.copy_(source))
     finally:
         torch.set_num_threads(threads)
     assert others_torch > 0.01, "torch's copy_ ran on one thread here: this check cannot tell them apart"
@@ -68,3 +76,5 @@ def test_pinned_copies_into_page_locked_memory():
     assert pinned(copy) is copy
     strided = source.permute(0, 2, 3, 1)
     assert pinned(strided).is_pinned() and torch.equal(pinned(strided), strided)
+    conjugate = torch.tensor([1 + 2j, -3j]).conj()
+    assert torch.equal(pinned(conjugate), torch.tensor([1 - 2j, 3j]))
