@@ -28,8 +28,9 @@ figures are the job's (all ranks' images over the slowest rank's time, the last 
 Reported per run: img/s, seconds, the first batch's wait, what the disk served (bytes, the number and
 mean size of its IOs: ``slowdisk counters``, the block throttle's counters for the slow disk's
 device, before and after), MB/s, the images per CPU-second of the reader's processes (the main one and
-its workers, the workers' start included in the first epoch; FFCV: its one process), and the epoch's
-time against the *payload bound*:
+its workers, the workers' start included in the first epoch; FFCV: its one process) and the CPU-seconds
+of the main process alone (the training process: what it spends there is taken from the training
+step), and the epoch's time against the *payload bound*:
 the payload bytes at the rate ``cat`` measured (``1.00x`` = the disk streamed nothing but payloads).
 The disk's rate is the faster of ``CAT_ROUNDS`` cold ``cat`` runs: one run was seen 10% slow, which
 flatters every ratio against it. For a JPEG set also the *decode bound*, the other physical limit: the
@@ -116,21 +117,21 @@ class InLockstep:
 
 def _whole_job(rows: list[dict]) -> list[dict]:
     """Each rank's per-epoch rows made the job's: the images of all ranks over the slowest rank's time,
-    the first batch the last rank's, and images per CPU-second of all the ranks' processes; the same
-    rows on every rank."""
+    the first batch the last rank's, images per CPU-second of all the ranks' processes, and the main
+    processes' CPU-seconds summed; the same rows on every rank."""
     import torch
     import torch.distributed as dist
 
     for row in rows:
         images, seconds = row["images"], row["images"] / row["img_s"]
         cpu = images / row["img_per_cpu_s"] if row["img_per_cpu_s"] else float("nan")  # unknown: none
-        summed = torch.tensor([images, cpu], dtype=torch.float64)
+        summed = torch.tensor([images, cpu, row["main_cpu_s"]], dtype=torch.float64)
         slowest = torch.tensor([seconds, row["first_batch_ms"]], dtype=torch.float64)
         dist.all_reduce(summed)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         images, cpu = int(summed[0]), float(summed[1])
         row.update(images=images, img_s=images / float(slowest[0]), first_batch_ms=float(slowest[1]),
-                   img_per_cpu_s=images / cpu if cpu > 0 else 0.0)
+                   img_per_cpu_s=images / cpu if cpu > 0 else 0.0, main_cpu_s=float(summed[2]))
     return rows
 
 
@@ -250,12 +251,12 @@ def run(args: argparse.Namespace) -> None:
             # its bound: the whole file at the rate cat read it (the JPEG payloads and FFCV's index)
             rows.extend(_row(f"FFCV 1.0.2, {FFCV_ORDERS[order]}", command, mnt, args.mem, size, size / seconds))
     print("\n| reader, order | epoch | img/s | s | first batch s | read MB | IOs | mean IO KiB | MB/s "
-          "| x payload bound | x decode bound | x bound | img per CPU-s |\n" + "|---" * 13 + "|")
+          "| x payload bound | x decode bound | x bound | img per CPU-s | main process CPU-s |\n" + "|---" * 14 + "|")
     for row in rows:
         print(f"| {row['name']} | {row['epoch']} | {row['img_s']:,.0f} | {row['seconds']:.2f} | "
               f"{row['first_batch_s']:.2f} | {row['read_mb']} | {row['ios']} | {row['io_kib']} | "
               f"{row['mb_s']} | {row['x_payload']} | {row.get('x_decode', '')} | "
-              f"{row.get('x_bound', row['x_payload'])} | {row['img_cpu_s']:,.0f} |")
+              f"{row.get('x_bound', row['x_payload'])} | {row['img_cpu_s']:,.0f} | {row['main_cpu_s']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
@@ -352,10 +353,11 @@ def _row(name: str, command: list[str], mnt: str, mem: str | None, payload: int,
                      "ios": ios if first else "", "io_kib": f"{nbytes / max(ios, 1) / 1024:,.0f}" if first else "",
                      "mb_s": f"{nbytes / sum(e['seconds'] for e in epochs) / 1e6:.0f}" if first else "",
                      "x_payload": f"{epoch['seconds'] / (payload / rate):.2f}x",
-                     "img_cpu_s": epoch["img_per_cpu_s"]})
+                     "img_cpu_s": epoch["img_per_cpu_s"], "main_cpu_s": epoch["main_cpu_s"]})
         print(f"  {name} epoch {epoch['epoch']}: {rows[-1]['img_s']:,.0f} img/s, {epoch['seconds']:.2f} s "
               f"({rows[-1]['x_payload']} the payload bound), first batch {epoch['first_batch_s']:.2f} s, "
-              f"{epoch['img_per_cpu_s']:,.0f} img per CPU-s", flush=True)
+              f"{epoch['img_per_cpu_s']:,.0f} img per CPU-s ({epoch['main_cpu_s']:.2f} CPU-s in the main "
+              "process)", flush=True)
     print(f"    disk: {nbytes / 1e6:,.0f} MB in {ios} IOs", flush=True)
     return rows
 
