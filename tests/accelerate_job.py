@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
+from job_exit import end_process_group
 
 from reader import PackedDataset, make_loader
 
@@ -77,3 +78,4 @@ def main(path: str, out: Path) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
+    end_process_group()

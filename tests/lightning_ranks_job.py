@@ -18,6 +18,7 @@ from pathlib import Path
 
 import lightning
 import torch
+from job_exit import end_process_group
 
 from reader import PackedDataset, make_loader
 from reader.ranks import ranks_on_this_node
@@ -56,3 +57,4 @@ def main(dataset: str, out: Path) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
+    end_process_group()

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import lightning
 import torch
+from job_exit import end_process_group
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from reader import PackedDataset, make_loader
@@ -120,3 +121,4 @@ def main(dataset: str, out: Path, world: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]))
+    end_process_group()
