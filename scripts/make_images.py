@@ -2,6 +2,12 @@
 
     python scripts/make_images.py imagenet DST --count 5000   # JPEG q90, sides 250-800 px, 10 classes
     python scripts/make_images.py sample DST                  # ~60 files: JPEG/PNG, several modes
+    python scripts/make_images.py copies DST --of SRC --count 3  # SRC's images 3 times, and their labels
+
+``copies`` makes a larger set of the same photos for the cold benchmarks: hard links of SRC's
+``CLASS/FILE`` images under ``DST/1``, ``DST/2``, ... and ``DST/labels.csv`` (``N/CLASS/FILE,CLASS``
+rows, written last), since a labels file may list a path once and each copy is then packed as a
+record of its own. Links already there are kept, so an interrupted run is finished by running again.
 
 The content is synthetic but photo-like, not noise: a sky-to-ground gradient, 1/f ("pink") texture,
 a few soft-edged blobs and shapes, and a slight blur, so JPEG sizes and decode costs resemble real
@@ -105,18 +111,37 @@ def make_sample(dst: Path, seed: int = 0) -> None:
                 img.convert("CMYK").save(folder / f"{i:03d}.jpg", quality=90)
 
 
+def make_copies(dst: Path, src: Path, count: int) -> None:
+    """``count`` hard-linked copies of ``src``'s ``CLASS/FILE`` images and their labels (module docstring)."""
+    images = sorted(path.relative_to(src) for path in src.glob("*/*") if path.is_file())
+    rows = []
+    for copy in range(1, count + 1):
+        for image in images:
+            link = dst / str(copy) / image
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                os.link(src / image, link)
+            rows.append(f"{copy}/{image.as_posix()},{image.parent.name}\n")
+    (dst / "labels.csv").write_text("".join(rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("kind", choices=["imagenet", "sample"])
+    parser.add_argument("kind", choices=["imagenet", "sample", "copies"])
     parser.add_argument("dst", type=Path)
-    parser.add_argument("--count", type=int, default=5000, help="images (imagenet only)")
+    parser.add_argument("--count", type=int, default=5000, help="images (imagenet), copies (copies)")
+    parser.add_argument("--of", type=Path, help="the folder to copy (copies only)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.kind == "imagenet":
         make_imagenet_like(args.dst, args.count, args.seed)
+    elif args.kind == "copies":
+        if args.of is None:
+            parser.error("copies needs --of SRC")
+        make_copies(args.dst, args.of, args.count)
     else:
         make_sample(args.dst, args.seed)
-    print(f"made {sum(1 for p in args.dst.rglob('*') if p.is_file())} images under {args.dst}")
+    print(f"made {sum(1 for p in args.dst.rglob('*') if p.is_file() and p.suffix != '.csv')} images under {args.dst}")
 
 
 if __name__ == "__main__":
