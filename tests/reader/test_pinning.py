@@ -1,4 +1,4 @@
-"""reader.pinning: pinned copies made by the calling thread alone, byte for byte."""
+"""reader.pinning: pinned copies made by the calling thread alone, byte for byte, in any dense layout."""
 from __future__ import annotations
 
 import time
@@ -6,35 +6,59 @@ import time
 import pytest
 import torch
 
-from reader.pinning import copy_on_this_thread, pinned
+from reader import PackedDataset, make_loader
+from reader.pinning import copied_on_this_thread, memory_span, pinned
+
+IMAGES = torch.arange(2 * 3 * 4 * 5, dtype=torch.uint8).reshape(2, 3, 4, 5)
 
 
 @pytest.mark.parametrize("source", [
-    torch.arange(3 * 5 * 7, dtype=torch.uint8).reshape(3, 5, 7),
+    IMAGES,
+    IMAGES.contiguous(memory_format=torch.channels_last),
+    IMAGES.permute(0, 2, 3, 1),
+    IMAGES[1:],
+    torch.arange(12.0).reshape(3, 4).t(),
     torch.tensor([-(2 ** 62), 7, 2 ** 40], dtype=torch.int64),
     torch.tensor([True, False, True]),
     torch.tensor([1.5, -0.25, 3e38], dtype=torch.bfloat16),
     torch.tensor(4.25),
     torch.empty(0, 3, dtype=torch.float32),
-], ids=["uint8", "int64", "bool", "bfloat16", "0-d", "empty"])
-def test_copy_is_exact_for_every_dtype_and_shape(source):
-    copied = copy_on_this_thread(torch.zeros_like(source), source)
-    assert copied.dtype == source.dtype and copied.shape == source.shape
-    assert torch.equal(copied.view(-1).view(torch.uint8), source.view(-1).view(torch.uint8))  # bytes: NaN-proof
+    torch.empty(3, 0, dtype=torch.float32),
+], ids=["uint8", "channels-last", "permuted", "offset", "transposed", "int64", "bool", "bfloat16", "0-d",
+        "empty", "empty-last"])
+def test_copy_is_exact_for_every_dtype_shape_and_dense_layout(source):
+    copied = copied_on_this_thread(source)
+    assert copied is not None
+    assert (copied.dtype, copied.shape, copied.stride()) == (source.dtype, source.shape, source.stride())
+    assert source.numel() == 0 or copied.data_ptr() != source.data_ptr()
+    span = memory_span(source)
+    assert torch.equal(memory_span(copied).view(torch.uint8), span.view(torch.uint8))  # bytes: NaN-proof
+    assert torch.equal(copied, source)
 
 
-def test_copy_refuses_a_destination_of_another_shape_or_dtype():
-    with pytest.raises(ValueError, match=r"cannot copy a torch.uint8 \(4,\) tensor into a torch.uint8 \(5,\) one"):
-        copy_on_this_thread(torch.zeros(5, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))
-    with pytest.raises(ValueError, match=r"cannot copy a torch.int64 \(4,\) tensor into a torch.int32 \(4,\) one"):
-        copy_on_this_thread(torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int64))
+@pytest.mark.parametrize("source", [
+    IMAGES[:, :, ::2],
+    torch.zeros(3, 1).expand(3, 4),
+    torch.tensor([1 + 2j, -3j]).conj(),
+    torch.tensor([1.0, -2.0])._neg_view(),
+], ids=["stepped", "expanded", "conjugate", "negative"])
+def test_what_one_memcpy_cannot_copy_is_refused(source):
+    assert copied_on_this_thread(source) is None
 
 
-def test_copy_refuses_a_non_contiguous_destination():
-    destination = torch.zeros(4, 3).t()
-    with pytest.raises(RuntimeError, match="view size is not compatible"):
-        copy_on_this_thread(destination, torch.arange(12.0).reshape(3, 4))
-    assert not destination.any()
+def test_memory_span_is_the_elements_in_memory_order():
+    channels_last = IMAGES.contiguous(memory_format=torch.channels_last)
+    assert torch.equal(memory_span(channels_last), IMAGES.permute(0, 2, 3, 1).reshape(-1))
+    assert memory_span(IMAGES[:, :, ::2]) is None and memory_span(torch.zeros(2, 1).expand(2, 3)) is None
+
+
+@pytest.mark.parametrize("encoding", ["raw", "jpeg"])
+def test_the_loaders_batches_are_copied_by_one_memcpy(tmp_path, make_packed_dataset, encoding):
+    """Every image batch the loader pins takes the one-thread copy, not ``pin_memory()``'s fallback (the
+    JPEG batches are channels-last views of a worker's slot)."""
+    path = make_packed_dataset(tmp_path, resize=16, crop=16, encoding=encoding)
+    for images, labels in make_loader(PackedDataset(path), 4, num_workers=1, pin_memory=False):
+        assert memory_span(images) is not None and memory_span(labels) is not None
 
 
 def _cpu_of_others(copy) -> tuple[float, float]:
@@ -49,22 +73,21 @@ def _cpu_of_others(copy) -> tuple[float, float]:
 
 
 def test_copy_keeps_torchs_thread_team_idle():
-    """A batch-sized copy uses the calling thread's CPU only, where torch's ``copy_`` with two intra-op
-    threads also runs (and then spins) the other one: the reason ``pinned`` does not call
-    ``pin_memory()``."""
-    source = torch.randint(0, 255, (256, 3, 224, 224), dtype=torch.uint8)
+    """A batch-sized copy of the loader's channels-last layout uses the calling thread's CPU only, where
+    torch's ``copy_`` with two intra-op threads also runs (and then spins) the other one: the reason
+    ``pinned`` does not call ``pin_memory()``."""
+    source = torch.randint(0, 255, (256, 224, 224, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
     destination = torch.empty_like(source)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         time.sleep(0.3)  # the spin of parallel work before this test ends (OpenMP's longest default: 0.2 s)
-        mine, others_ours = _cpu_of_others(lambda: copy_on_this_thread(destination, source))
+        mine, others_ours = _cpu_of_others(lambda: copied_on_this_thread(source))
         _, others_torch = _cpu_of_others(lambda: destination.copy_(source))
     finally:
         torch.set_num_threads(threads)
     assert others_torch > 0.01, "torch's copy_ ran on one thread here: this check cannot tell them apart"
     assert others_ours < 0.25 * mine + 0.005, (mine, others_ours)
-    assert torch.equal(destination, source)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
@@ -73,7 +96,10 @@ def test_pinned_copies_into_page_locked_memory():
     copy = pinned(source)
     assert copy.is_pinned() and torch.equal(copy, source) and copy.data_ptr() != source.data_ptr()
     assert pinned(copy) is copy
-    strided = source.permute(0, 2, 3, 1)
-    assert pinned(strided).is_pinned() and torch.equal(pinned(strided), strided)
+    channels_last = source.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    copy = pinned(channels_last)
+    assert copy.is_pinned() and torch.equal(copy, channels_last) and copy.stride() == channels_last.stride()
+    stepped = source[:, :, ::2]
+    assert pinned(stepped).is_pinned() and torch.equal(pinned(stepped), stepped)
     conjugate = torch.tensor([1 + 2j, -3j]).conj()
     assert torch.equal(pinned(conjugate), torch.tensor([1 - 2j, 3j]))
