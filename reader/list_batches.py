@@ -50,8 +50,8 @@ def shared_buffer(tensors: Sequence[Any]) -> tuple[torch.Tensor, int] | None:
 def moved_together(tensors: list[Any], move: Callable[[Any], Any]) -> list[Any]:
     """``[move(t) for t in tensors]``, done as one ``move`` of the buffer they share (``shared_buffer``)
     and views of its result with the same shapes and strides; item by item when they share none (or
-    are not all tensors). ``move`` returns a contiguous copy (``reader.pinning.pinned``, ``.to(device)``) or its
-    argument itself (``.to()`` the device it is on)."""
+    are not all tensors). ``move`` returns a contiguous copy of the 1-d span (``reader.pinning.pinned``,
+    ``.to(device)``) or the span itself (``.to()`` the device it is on)."""
     shared = shared_buffer(tensors)
     if shared is None:
         return [move(tensor) for tensor in tensors]

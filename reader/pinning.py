@@ -30,9 +30,12 @@ def pinned(tensor: torch.Tensor) -> torch.Tensor:
 
 def copied_on_this_thread(tensor: torch.Tensor, *, pin_memory: bool = False) -> torch.Tensor | None:
     """A copy of a CPU ``tensor`` with its shape, strides and dtype, made as one memcpy on the calling
-    thread (into pinned memory with ``pin_memory``); None where one memcpy cannot make it: the elements
-    leave gaps or share memory (``memory_span``), or the bytes are not the values (a conjugate or
-    negative view)."""
+    thread (into pinned memory with ``pin_memory``), detached from autograd; None where one memcpy
+    cannot make it: not a plain strided CPU tensor (sparse, nested), elements that leave
+    gaps or share memory (``memory_span``), or bytes that are not the values (a conjugate or negative
+    view)."""
+    if tensor.layout != torch.strided or tensor.is_nested or tensor.device.type != "cpu":
+        return None
     span = memory_span(tensor)
     if span is None or tensor.is_conj() or tensor.is_neg():
         return None

@@ -24,8 +24,10 @@ IMAGES = torch.arange(2 * 3 * 4 * 5, dtype=torch.uint8).reshape(2, 3, 4, 5)
     torch.tensor(4.25),
     torch.empty(0, 3, dtype=torch.float32),
     torch.empty(3, 0, dtype=torch.float32),
+    torch.empty(2, 0, 3, dtype=torch.float32),
+    torch.arange(6, dtype=torch.int32).as_strided((2, 1, 3), (3, 7, 1)),
 ], ids=["uint8", "channels-last", "permuted", "offset", "transposed", "int64", "bool", "bfloat16", "0-d",
-        "empty", "empty-last"])
+        "empty", "empty-last", "empty-middle", "size-1-odd-stride"])
 def test_copy_is_exact_for_every_dtype_shape_and_dense_layout(source):
     copied = copied_on_this_thread(source)
     assert copied is not None
@@ -41,7 +43,9 @@ def test_copy_is_exact_for_every_dtype_shape_and_dense_layout(source):
     torch.zeros(3, 1).expand(3, 4),
     torch.tensor([1 + 2j, -3j]).conj(),
     torch.tensor([1.0, -2.0])._neg_view(),
-], ids=["stepped", "expanded", "conjugate", "negative"])
+    torch.tensor([5.0]).to_sparse(),
+    torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged),
+], ids=["stepped", "expanded", "conjugate", "negative", "sparse", "nested"])
 def test_what_one_memcpy_cannot_copy_is_refused(source):
     assert copied_on_this_thread(source) is None
 
@@ -53,12 +57,27 @@ def test_memory_span_is_the_elements_in_memory_order():
 
 
 @pytest.mark.parametrize("encoding", ["raw", "jpeg"])
-def test_the_loaders_batches_are_copied_by_one_memcpy(tmp_path, make_packed_dataset, encoding):
-    """Every image batch the loader pins takes the one-thread copy, not ``pin_memory()``'s fallback (the
-    JPEG batches are channels-last views of a worker's slot)."""
+@pytest.mark.parametrize("evaluation", [False, True], ids=["training", "evaluation"])
+def test_every_tensor_the_loader_pins_takes_the_one_memcpy(tmp_path, make_packed_dataset, monkeypatch,
+                                                           encoding, evaluation):
+    """Every tensor the loader pins (images, labels, an evaluation batch's index and validity) takes
+    the one-thread copy, not ``pin_memory()``'s fallback: the JPEG batches are channels-last views of a
+    worker's slot. Checked at the loader's own ``pinned`` calls, which here copy into unpinned memory
+    (no CUDA needed)."""
+    pinned_here: list[torch.Tensor] = []
+
+    def one_memcpy(tensor: torch.Tensor) -> torch.Tensor:
+        copy = copied_on_this_thread(tensor)
+        assert copy is not None, (tensor.dtype, tensor.shape, tensor.stride())
+        pinned_here.append(copy)
+        return copy
+
+    monkeypatch.setattr("reader.loader.pinned", one_memcpy)
     path = make_packed_dataset(tmp_path, resize=16, crop=16, encoding=encoding)
-    for images, labels in make_loader(PackedDataset(path), 4, num_workers=1, pin_memory=False):
-        assert memory_span(images) is not None and memory_span(labels) is not None
+    loader = make_loader(PackedDataset(path), 4, num_workers=1, pin_memory=True, evaluation=evaluation)
+    batches = list(loader)
+    assert sum(len(batch[1]) for batch in batches) == 6
+    assert len(pinned_here) == len(batches) * len(batches[0])
 
 
 def _cpu_of_others(copy) -> tuple[float, float]:
