@@ -22,11 +22,12 @@ Tested with torch 2.13 (``setup.cfg`` pins that range).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import multiprocessing
 from dataclasses import dataclass
-from typing import Any, Callable, cast
+from typing import Any, Callable, Iterator, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -110,24 +111,47 @@ class HookedDataLoader(DataLoader):
     def _get_iterator(self) -> Any:
         """The DataLoader's iterator, which starts the workers: the receiving one where torch has it.
 
-        Workers forked with the collector on, by a process that has started CUDA, get the parent's
-        garbage collected first. A forked worker inherits the parent's heap, garbage cycles included, and
-        a worker's collector that frees a CUDA tensor of such a cycle calls into CUDA in the child, which
-        aborts the worker ("CUDA error: initialization error" from the caching allocator's
-        ``insert_events``: seen on an H200 with ``CUDAPrefetcher``'s ``record_stream``-ed batches).
-        Collected here the garbage is gone before the fork, and the worker freezes what it inherits
-        (``reader.loader.start_worker``). Spawned and forkserver workers inherit nothing, with the
-        collector off (``gc.disable()``) a worker collects nothing either, and a process without CUDA
-        has no CUDA tensor to free: those skip the full collection, about 0.09 s on a slow core with
-        torch imported, which would delay every loader's first batch."""
-        if (self.num_workers > 0 and gc.isenabled() and torch.cuda.is_initialized()
-                and worker_start_method(self.multiprocessing_context) == "fork"):
-            gc.collect()
-        receiver, receiving = self.batch_receiver(), receiving_iterator_class()
-        if self.num_workers == 0 or receiver is None or receiving is None:
-            return super()._get_iterator()
-        self.check_worker_number_rationality()
-        return receiving(self, receiver)
+        Workers forked with the collector on, by a process that has started CUDA, must not collect the
+        garbage they inherit (``garbage_kept_from_forked_workers``)."""
+        forked = (self.num_workers > 0 and gc.isenabled() and torch.cuda.is_initialized()
+                  and worker_start_method(self.multiprocessing_context) == "fork")
+        with garbage_kept_from_forked_workers(forked):
+            receiver, receiving = self.batch_receiver(), receiving_iterator_class()
+            if self.num_workers == 0 or receiver is None or receiving is None:
+                return super()._get_iterator()
+            self.check_worker_number_rationality()
+            return receiving(self, receiver)
+
+
+@contextlib.contextmanager
+def garbage_kept_from_forked_workers(forking: bool) -> Iterator[None]:
+    """While workers are forked (``forking``): the parent's objects in the collector's permanent
+    generation, released again after.
+
+    Why: a forked worker inherits the parent's heap, garbage cycles included, and a worker's collector
+    that frees a CUDA tensor of such a cycle calls into CUDA in the child, which aborts the worker
+    ("CUDA error: initialization error" from the caching allocator's ``insert_events``: seen on an H200
+    with ``CUDAPrefetcher``'s ``record_stream``-ed batches). Frozen at the fork, that garbage is never
+    collected in the worker (which freezes what it starts with: ``reader.loader.start_worker``), and the
+    parent collects it as before once released. Freezing is a splice of the collector's lists, where a
+    full collection before the fork walked the whole heap in the training process, its first batch
+    waiting: 32-44 ms with torch and the reader imported, more with a model and a framework.
+    Where the process had frozen objects of its own (``gc.freeze``), which releasing would release too,
+    a full collection clears the garbage instead. Spawned and forkserver workers inherit nothing, with
+    the collector off (``gc.disable()``) a worker collects nothing, and a process without CUDA has no
+    CUDA tensor to free: those pass ``forking=False`` and nothing is done."""
+    if not forking:
+        yield
+        return
+    if gc.get_freeze_count() > 0:
+        gc.collect()
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def worker_start_method(context: Any) -> str:

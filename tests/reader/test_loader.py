@@ -1,9 +1,11 @@
 """make_loader: batches equal the dataset's records, under fork and spawn workers, resumable."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import torch
 from reader_helpers import make_images, pack_images
 
 import reader.loader
+import reader.torch_hooks
 from reader import PackedDataset, batch_memory, make_loader
 from reader.format.jpeg_decode import STORE_ALIGNMENT
 from reader.loader import PackedLoader
@@ -290,37 +293,68 @@ class Sentinel:
             out.write(f"{os.getpid()}\n")
 
 
-def test_forked_workers_do_not_inherit_the_parents_garbage(raw_path: Path, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A forked worker that collected garbage inherited from the parent would free, in the child, the
-    CUDA tensors of such garbage, which aborts it ("CUDA error: initialization error", seen on an H200):
-    the loader collects the parent's garbage before it starts its workers."""
-    record = tmp_path / "freed"
+def collecting_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loaders made after this have workers that collect garbage at their start, as a worker's collector
+    would at some allocation."""
     start_worker = reader.loader.start_worker
 
     def collecting_start(worker_id: int, **options: object) -> None:
-        gc.collect()  # what a worker's collector would do at some allocation
+        gc.collect()
         start_worker(worker_id, **options)
 
     monkeypatch.setattr(reader.loader, "start_worker", collecting_start)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the parent holds CUDA memory
-    loader = make_loader(PackedDataset(raw_path), 8, num_workers=2, multiprocessing_context="fork", pin_memory=False)
+
+
+def read_with_garbage(loader, record: Path) -> None:
+    """Leave a ``Sentinel`` as garbage, then read ``loader`` once, the collector's thresholds at 0, so
+    that only an explicit collection frees the sentinel."""
     thresholds = gc.get_threshold()
-    gc.set_threshold(0)  # the collector stays on, but only an explicit collection frees the sentinel
+    gc.set_threshold(0)
     try:
         Sentinel(record)
         assert sum(len(labels) for _, labels in loader) == len(loader.dataset)
     finally:
         gc.set_threshold(*thresholds)
+
+
+def test_forked_workers_do_not_inherit_the_parents_garbage(raw_path: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked worker that collected garbage inherited from the parent would free, in the child, the
+    CUDA tensors of such garbage, which aborts it ("CUDA error: initialization error", seen on an H200):
+    the parent's objects are frozen while the workers are forked, and the parent, released, still
+    collects that garbage itself. No full collection delays the first batch."""
+    record = tmp_path / "freed"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the parent holds CUDA memory
+    collecting_workers(monkeypatch)
+    loader = make_loader(PackedDataset(raw_path), 8, num_workers=2, multiprocessing_context="fork", pin_memory=False)
+    with full_collections() as full:
+        read_with_garbage(loader, record)
+    assert full == [] and gc.get_freeze_count() == 0
+    gc.collect()
     assert record.read_text().split() == [str(os.getpid())]
 
 
-def test_a_process_without_cuda_forks_workers_without_a_full_collection(raw_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The collection above is for CUDA memory only: without it a full collection (about 0.09 s with
-    torch imported) would delay every loader's first batch for nothing."""
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # as on a machine without a GPU
+def test_a_process_that_froze_objects_itself_keeps_them_frozen(raw_path: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Releasing the loader's freeze would release the process's own frozen objects too: there the
+    garbage is collected before the fork instead, and what the process froze stays frozen."""
+    record = tmp_path / "freed"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    collecting_workers(monkeypatch)
     loader = make_loader(PackedDataset(raw_path), 8, num_workers=2, multiprocessing_context="fork", pin_memory=False)
+    mine = ["an object the process froze"]
+    gc.freeze()
+    try:
+        read_with_garbage(loader, record)
+        assert not any(tracked is mine for tracked in gc.get_objects())  # the generations list no frozen one
+    finally:
+        gc.unfreeze()
+    assert record.read_text().split() == [str(os.getpid())]
+
+
+@contextlib.contextmanager
+def full_collections() -> Iterator[list[int]]:
+    """A list that gets an entry for each full collection started while the block runs."""
     full: list[int] = []
 
     def watch(phase: str, info: dict) -> None:
@@ -330,9 +364,22 @@ def test_a_process_without_cuda_forks_workers_without_a_full_collection(raw_path
     gc.collect()  # the generations' counts start at 0: no automatic full collection comes soon
     gc.callbacks.append(watch)
     try:
-        iterator = iter(loader)
-        next(iterator)
+        yield full
     finally:
         gc.callbacks.remove(watch)
-    assert full == []
+
+
+def test_a_process_without_cuda_forks_workers_without_a_full_collection(raw_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is frozen or collected for a process without CUDA, whose garbage holds no CUDA tensor."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # as on a machine without a GPU
+    asked: list[bool] = []
+    keeping = reader.torch_hooks.garbage_kept_from_forked_workers
+    monkeypatch.setattr(reader.torch_hooks, "garbage_kept_from_forked_workers",
+                        lambda forking: asked.append(forking) or keeping(forking))
+    loader = make_loader(PackedDataset(raw_path), 8, num_workers=2, multiprocessing_context="fork", pin_memory=False)
+    with full_collections() as full:
+        iterator = iter(loader)
+        next(iterator)
+    assert full == [] and asked == [False]
     del iterator
