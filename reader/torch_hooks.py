@@ -135,7 +135,7 @@ def garbage_kept_from_forked_workers(forking: bool) -> Iterator[None]:
     collected in the worker (which freezes what it starts with: ``reader.loader.start_worker``), and the
     parent collects it as before once released. Freezing is a splice of the collector's lists, where a
     full collection before the fork walked the whole heap in the training process, its first batch
-    waiting: 32-44 ms with torch and the reader imported, more with a model and a framework.
+    waiting: 63-77 ms with torch and the reader imported (a slow core), more with a model and a framework.
     Where the process had frozen objects of its own (``gc.freeze``), which releasing would release too,
     a full collection clears the garbage instead. Spawned and forkserver workers inherit nothing, with
     the collector off (``gc.disable()``) a worker collects nothing, and a process without CUDA has no
