@@ -34,10 +34,11 @@ def copied_on_this_thread(tensor: torch.Tensor, *, pin_memory: bool = False) -> 
     cannot make it: not a plain strided CPU tensor (sparse, nested), elements that leave
     gaps or share memory (``memory_span``), or bytes that are not the values (a conjugate or negative
     view)."""
-    if tensor.layout != torch.strided or tensor.is_nested or tensor.device.type != "cpu":
+    if (tensor.layout != torch.strided or tensor.is_nested or tensor.device.type != "cpu"
+            or tensor.is_conj() or tensor.is_neg()):
         return None
     span = memory_span(tensor)
-    if span is None or tensor.is_conj() or tensor.is_neg():
+    if span is None:
         return None
     flat = torch.empty(span.shape, dtype=tensor.dtype, pin_memory=pin_memory)
     np.copyto(_bytes_of(flat), _bytes_of(span))

@@ -113,9 +113,9 @@ class HookedDataLoader(DataLoader):
 
         Workers forked with the collector on, by a process that has started CUDA, must not collect the
         garbage they inherit (``garbage_kept_from_forked_workers``)."""
-        forked = (self.num_workers > 0 and gc.isenabled() and torch.cuda.is_initialized()
-                  and worker_start_method(self.multiprocessing_context) == "fork")
-        with garbage_kept_from_forked_workers(forked):
+        forking = (self.num_workers > 0 and gc.isenabled() and torch.cuda.is_initialized()
+                   and worker_start_method(self.multiprocessing_context) == "fork")
+        with garbage_kept_from_forked_workers(forking):
             receiver, receiving = self.batch_receiver(), receiving_iterator_class()
             if self.num_workers == 0 or receiver is None or receiving is None:
                 return super()._get_iterator()

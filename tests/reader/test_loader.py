@@ -293,9 +293,9 @@ class Sentinel:
             out.write(f"{os.getpid()}\n")
 
 
-def collecting_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loaders made after this have workers that collect garbage at their start, as a worker's collector
-    would at some allocation."""
+def cuda_loader_with_collecting_workers(raw_path: Path, monkeypatch: pytest.MonkeyPatch) -> PackedLoader:
+    """A loader with 2 forked workers, made by a process that has started CUDA (patched), whose workers
+    collect garbage at their start, as a worker's collector would at some allocation."""
     start_worker = reader.loader.start_worker
 
     def collecting_start(worker_id: int, **options: object) -> None:
@@ -303,6 +303,8 @@ def collecting_workers(monkeypatch: pytest.MonkeyPatch) -> None:
         start_worker(worker_id, **options)
 
     monkeypatch.setattr(reader.loader, "start_worker", collecting_start)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the parent holds CUDA memory
+    return make_loader(PackedDataset(raw_path), 8, num_workers=2, multiprocessing_context="fork", pin_memory=False)
 
 
 def read_with_garbage(loader, record: Path) -> None:
@@ -324,9 +326,7 @@ def test_forked_workers_do_not_inherit_the_parents_garbage(raw_path: Path, tmp_p
     the parent's objects are frozen while the workers are forked, and the parent, released, still
     collects that garbage itself. No full collection delays the first batch."""
     record = tmp_path / "freed"
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the parent holds CUDA memory
-    collecting_workers(monkeypatch)
-    loader = make_loader(PackedDataset(raw_path), 8, num_workers=2, multiprocessing_context="fork", pin_memory=False)
+    loader = cuda_loader_with_collecting_workers(raw_path, monkeypatch)
     with full_collections() as full:
         read_with_garbage(loader, record)
     assert full == [] and gc.get_freeze_count() == 0
@@ -339,9 +339,7 @@ def test_a_process_that_froze_objects_itself_keeps_them_frozen(raw_path: Path, t
     """Releasing the loader's freeze would release the process's own frozen objects too: there the
     garbage is collected before the fork instead, and what the process froze stays frozen."""
     record = tmp_path / "freed"
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    collecting_workers(monkeypatch)
-    loader = make_loader(PackedDataset(raw_path), 8, num_workers=2, multiprocessing_context="fork", pin_memory=False)
+    loader = cuda_loader_with_collecting_workers(raw_path, monkeypatch)
     mine = ["an object the process froze"]
     gc.freeze()
     try:
