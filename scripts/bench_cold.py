@@ -3,16 +3,17 @@
     python scripts/bench_cold.py run --mnt MNT SET [SET ...] [--ffcv BETON [--ffcv-orders random,quasi_random]]
         [--epochs 1] [--orders quasi_random,random]
         [--before CHECKOUT] [--mem SIZE [--hold MB] [--grow MB]] [--start-method fork|spawn|forkserver]
-        [--ranks N]
+        [--ranks N] [--workers 2]
 
 Each ``SET`` is a packed dataset on the slow disk (``scripts/slowdisk up``: 100 MB/s, 200 read IOPS, on
 cgroup v1 or v2; ``SLOWDISK`` names another such tool), written ``[LABEL=]PATH``. For each set: ``cat``
 of its shard files under ``slowdisk run`` (the page cache dropped first): the disk's sequential rate;
-then, per order, a loader (batch 256, 2 workers) reading ``--epochs`` epochs under ``slowdisk run``.
+then, per order, a loader (batch 256, ``--workers`` processes: 2 unless told, the setting the cold
+figures in BENCHMARKS.md are taken with) reading ``--epochs`` epochs under ``slowdisk run``.
 ``--before CHECKOUT`` runs another checkout's reader on the same set right after (that checkout first
-on ``PYTHONPATH``); ``--ffcv`` adds FFCV 1.0.2's loader (2 threads; ``--ffcv-orders``: ``RANDOM`` with
-``os_cache=True`` and ``QUASI_RANDOM``, its two cold settings; from ``--ffcv-python``, a venv of its
-own, never a dependency of this project) over a ``.beton`` on the same disk; ``--mem`` runs the readers
+on ``PYTHONPATH``); ``--ffcv`` adds FFCV 1.0.2's loader (as many threads; ``--ffcv-orders``:
+``RANDOM`` with ``os_cache=True`` and ``QUASI_RANDOM``, its two cold settings; from ``--ffcv-python``,
+a venv of its own, never a dependency of this project) over a ``.beton`` on the same disk; ``--mem`` runs the readers
 with ``SLOW_MEM`` (memory and page cache capped: a set larger than that is read from the disk every
 epoch); ``--hold MB`` makes each of our readers hold that much memory of its own first (as a CUDA
 context and a model would), ``--grow MB`` right after its first batch (as memory a training job takes
@@ -20,7 +21,7 @@ once it runs would: a model moved to the GPU after the loader was made, CUDA's c
 first batch's ``.cuda()``); ``--start-method`` starts the loaders' workers so (``make_loader``'s
 ``multiprocessing_context``; spawned workers import torch themselves, memory the loader sees only once
 they run); ``--ranks N`` runs each of our readers as N DDP ranks on this machine under torchrun (over
-gloo), the ``WORKERS`` shared between them (at least one each), every rank reading its share of each
+gloo), the ``--workers`` shared between them (at least one each), every rank reading its share of each
 epoch and all-reducing a number after each batch, as DDP's gradient sync keeps ranks in step: the
 figures are the job's (all ranks' images over the slowest rank's time, the last rank's first batch;
 ``--hold`` and ``--grow`` taken by each rank).
@@ -53,7 +54,7 @@ import time
 from pathlib import Path
 
 BATCH = 256  # as bench_ffcv's loaders
-WORKERS = 2  # each reader's loader processes (FFCV: threads)
+WORKERS = 2  # each reader's loader processes (FFCV: threads) unless --workers says
 CAT_ROUNDS = 2  # cold cats of a set's shards; the fastest is the disk's rate (module docstring)
 HERE = Path(__file__).resolve()
 SLOWDISK = os.environ.get("SLOWDISK", str(HERE.parent / "slowdisk"))  # scripts/slowdisk: cgroup v1 or v2
@@ -230,12 +231,12 @@ def run(args: argparse.Namespace) -> None:
                 launcher, ranked = _launcher(args.ranks)
                 command = ["env", f"PYTHONPATH={_python_path(checkout or HERE.parents[1])}", python,
                            *launcher, str(HERE), "read", str(dataset), *ranked, "--order", order,
-                           "--epochs", str(args.epochs), "--workers", str(max(1, WORKERS // args.ranks)),
+                           "--epochs", str(args.epochs), "--workers", str(max(1, args.workers // args.ranks)),
                            "--hold", str(args.hold), "--grow", str(args.grow),
                            *(["--start-method", args.start_method] if args.start_method else [])]
-                decoding = _decode_bound(dataset)
+                decoding = _decode_bound(dataset, args.workers)
                 run_rows = _row(f"{name}, {order}", command, mnt, args.mem, payload, rate)
-                after = _decode_bound(dataset)
+                after = _decode_bound(dataset, args.workers)
                 rows.extend(_against_decoding(run_rows, decoding, after, bound))
     if args.ffcv:
         beton = Path(args.ffcv)
@@ -247,7 +248,7 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit("--ffcv needs --ffcv-python (or FFCV_PYTHON): the interpreter of FFCV's own venv")
         for order in args.ffcv_orders.split(","):
             command = [args.ffcv_python, str(HERE), "ffcv", str(beton), "--epochs", str(args.epochs),
-                       "--order", order]
+                       "--order", order, "--workers", str(args.workers)]
             # its bound: the whole file at the rate cat read it (the JPEG payloads and FFCV's index)
             rows.extend(_row(f"FFCV 1.0.2, {FFCV_ORDERS[order]}", command, mnt, args.mem, size, size / seconds))
     print("\n| reader, order | epoch | img/s | s | first batch s | read MB | IOs | mean IO KiB | MB/s "
@@ -283,15 +284,15 @@ def _against_decoding(rows: list[dict], before: float | None, after: float | Non
     return rows
 
 
-def _decode_bound(dataset: Path) -> float | None:
-    """Seconds the set's records take to decode alone, at the rate ``WORKERS`` processes reach (module
+def _decode_bound(dataset: Path, workers: int) -> float | None:
+    """Seconds the set's records take to decode alone, at the rate ``workers`` processes reach (module
     docstring); None for a set that stores pixels."""
-    out = _output([sys.executable, str(HERE), "decode", str(dataset), "--workers", str(WORKERS)],
+    out = _output([sys.executable, str(HERE), "decode", str(dataset), "--workers", str(workers)],
                   {**os.environ, "PYTHONPATH": _python_path(HERE.parents[1])})
     figures = json.loads(out.strip().splitlines()[-1])
     if figures is None:
         return None
-    print(f"  decode alone, {WORKERS} processes: {figures['img_s']:,.0f} img/s; decode bound "
+    print(f"  decode alone, {workers} processes: {figures['img_s']:,.0f} img/s; decode bound "
           f"{figures['records'] / figures['img_s']:.2f} s", flush=True)
     return figures["records"] / figures["img_s"]
 
@@ -381,7 +382,9 @@ def main() -> None:
     p.add_argument("--grow", type=int, default=0, help="MB each reader takes after its first batch")
     p.add_argument("--start-method", choices=START_METHODS, help="how the loaders start workers")
     p.add_argument("--ranks", type=int, default=1,
-                   help=f"DDP ranks per reader, under torchrun: {WORKERS} workers shared (at least one each)")
+                   help="DDP ranks per reader, under torchrun: the --workers shared (at least one each)")
+    p.add_argument("--workers", type=int, default=WORKERS,
+                   help=f"loader processes per reader (FFCV: threads; the decoder alone: processes) [{WORKERS}]")
     p.add_argument("--json")
     for name in ("read", "ffcv", "decode"):
         p = sub.add_parser(name)
