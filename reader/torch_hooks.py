@@ -26,6 +26,7 @@ import contextlib
 import functools
 import gc
 import multiprocessing
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, cast
 
@@ -123,6 +124,11 @@ class HookedDataLoader(DataLoader):
             return receiving(self, receiver)
 
 
+# One freeze at a time in this process: a loader forking its workers in another thread while one is
+# frozen would take that freeze for the process's own and fork with its garbage unfrozen.
+_FORKING_WORKERS = threading.RLock()
+
+
 @contextlib.contextmanager
 def garbage_kept_from_forked_workers(forking: bool) -> Iterator[None]:
     """While workers are forked (``forking``): the parent's objects in the collector's permanent
@@ -132,10 +138,13 @@ def garbage_kept_from_forked_workers(forking: bool) -> Iterator[None]:
     that frees a CUDA tensor of such a cycle calls into CUDA in the child, which aborts the worker
     ("CUDA error: initialization error" from the caching allocator's ``insert_events``: seen on an H200
     with ``CUDAPrefetcher``'s ``record_stream``-ed batches). Frozen at the fork, that garbage is never
-    collected in the worker (which freezes what it starts with: ``reader.loader.start_worker``), and the
-    parent collects it as before once released. Freezing is a splice of the collector's lists, where a
-    full collection before the fork walked the whole heap in the training process, its first batch
-    waiting: 63-77 ms with torch and the reader imported (a slow core), more with a model and a framework.
+    collected in the worker (which freezes what it starts with: ``reader.loader.start_worker``).
+    Freezing is a splice of the collector's lists, where a full collection before the fork walked the
+    whole heap in the training process, its first batch waiting: 63-77 ms with torch and the reader
+    imported (a slow core), more with a model and a framework. Released, the frozen objects all join the
+    oldest generation, where only a full collection looks, so the young ones are collected first (a
+    young collection, well under a millisecond): garbage that was young, such as the last loop's CUDA
+    batches, is freed now, not only at the next full collection; the old garbage stays where it was.
     Where the process had frozen objects of its own (``gc.freeze``), which releasing would release too,
     a full collection clears the garbage instead. Spawned and forkserver workers inherit nothing, with
     the collector off (``gc.disable()``) a worker collects nothing, and a process without CUDA has no
@@ -143,15 +152,17 @@ def garbage_kept_from_forked_workers(forking: bool) -> Iterator[None]:
     if not forking:
         yield
         return
-    if gc.get_freeze_count() > 0:
-        gc.collect()
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+    with _FORKING_WORKERS:
+        if gc.get_freeze_count() > 0:
+            gc.collect()
+            yield
+            return
+        gc.collect(1)
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
 
 
 def worker_start_method(context: Any) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -283,14 +284,19 @@ def test_workers_make_their_first_slot_before_their_first_batch(raw_path, jpeg_p
 
 
 class Sentinel:
-    """Garbage in a reference cycle that writes, when freed, which process freed it."""
+    """Garbage in a reference cycle that writes, when freed, its name and which process freed it."""
 
-    def __init__(self, record: Path) -> None:
-        self.record, self.cycle = record, self
+    def __init__(self, record: Path, name: str) -> None:
+        self.record, self.name, self.cycle = record, name, self
 
     def __del__(self) -> None:
         with open(self.record, "a") as out:
-            out.write(f"{os.getpid()}\n")
+            out.write(f"{self.name} {os.getpid()}\n")
+
+
+def freed(record: Path) -> list[str]:
+    """The sentinels freed so far, as "NAME PID" lines, sorted."""
+    return sorted(record.read_text().splitlines()) if record.exists() else []
 
 
 def cuda_loader_with_collecting_workers(raw_path: Path, monkeypatch: pytest.MonkeyPatch) -> PackedLoader:
@@ -307,47 +313,25 @@ def cuda_loader_with_collecting_workers(raw_path: Path, monkeypatch: pytest.Monk
     return make_loader(PackedDataset(raw_path), 8, num_workers=2, multiprocessing_context="fork", pin_memory=False)
 
 
-def read_with_garbage(loader, record: Path) -> None:
-    """Leave a ``Sentinel`` as garbage, then read ``loader`` once, the collector's thresholds at 0, so
-    that only an explicit collection frees the sentinel."""
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No automatic collection while the block runs (the thresholds at 0): only explicit ones."""
     thresholds = gc.get_threshold()
+    gc.collect()
     gc.set_threshold(0)
     try:
-        Sentinel(record)
-        assert sum(len(labels) for _, labels in loader) == len(loader.dataset)
+        yield
     finally:
         gc.set_threshold(*thresholds)
 
 
-def test_forked_workers_do_not_inherit_the_parents_garbage(raw_path: Path, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A forked worker that collected garbage inherited from the parent would free, in the child, the
-    CUDA tensors of such garbage, which aborts it ("CUDA error: initialization error", seen on an H200):
-    the parent's objects are frozen while the workers are forked, and the parent, released, still
-    collects that garbage itself. No full collection delays the first batch."""
-    record = tmp_path / "freed"
-    loader = cuda_loader_with_collecting_workers(raw_path, monkeypatch)
-    with full_collections() as full:
-        read_with_garbage(loader, record)
-    assert full == [] and gc.get_freeze_count() == 0
-    gc.collect()
-    assert record.read_text().split() == [str(os.getpid())]
-
-
-def test_a_process_that_froze_objects_itself_keeps_them_frozen(raw_path: Path, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Releasing the loader's freeze would release the process's own frozen objects too: there the
-    garbage is collected before the fork instead, and what the process froze stays frozen."""
-    record = tmp_path / "freed"
-    loader = cuda_loader_with_collecting_workers(raw_path, monkeypatch)
-    mine = ["an object the process froze"]
-    gc.freeze()
-    try:
-        read_with_garbage(loader, record)
-        assert not any(tracked is mine for tracked in gc.get_objects())  # the generations list no frozen one
-    finally:
-        gc.unfreeze()
-    assert record.read_text().split() == [str(os.getpid())]
+def leave_garbage(record: Path) -> None:
+    """Two ``Sentinel``s left as garbage: "old" in the collector's oldest generation, where only a full
+    collection looks, and "young", just made."""
+    old = [Sentinel(record, "old")]
+    gc.collect()  # alive, it joins the oldest generation
+    old.clear()
+    Sentinel(record, "young")
 
 
 @contextlib.contextmanager
@@ -359,12 +343,76 @@ def full_collections() -> Iterator[list[int]]:
         if phase == "start" and info["generation"] == 2:
             full.append(1)
 
-    gc.collect()  # the generations' counts start at 0: no automatic full collection comes soon
     gc.callbacks.append(watch)
     try:
         yield full
     finally:
         gc.callbacks.remove(watch)
+
+
+def test_forked_workers_do_not_inherit_the_parents_garbage(raw_path: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked worker that collected garbage inherited from the parent would free, in the child, the
+    CUDA tensors of such garbage, which aborts it ("CUDA error: initialization error", seen on an H200):
+    the parent's objects are frozen while the workers are forked, and the parent collects that garbage
+    itself, the young at once (released, the frozen objects are in the oldest generation), the old at
+    its next full collection, as without a loader. No full collection delays the first batch."""
+    record, me = tmp_path / "freed", os.getpid()
+    loader = cuda_loader_with_collecting_workers(raw_path, monkeypatch)
+    with collector_paused():
+        leave_garbage(record)
+        with full_collections() as full:
+            assert sum(len(labels) for _, labels in loader) == len(loader.dataset)
+            gc.collect(1)
+        assert full == [] and gc.get_freeze_count() == 0
+        assert freed(record) == [f"young {me}"]
+        gc.collect()
+        assert freed(record) == [f"old {me}", f"young {me}"]
+
+
+def test_a_process_that_froze_objects_itself_keeps_them_frozen(raw_path: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Releasing the loader's freeze would release the process's own frozen objects too: there the
+    garbage is collected before the fork instead, and what the process froze stays frozen."""
+    record, me = tmp_path / "freed", os.getpid()
+    loader = cuda_loader_with_collecting_workers(raw_path, monkeypatch)
+    mine = ["an object the process froze"]
+    with collector_paused():
+        gc.freeze()
+        try:
+            leave_garbage(record)
+            assert sum(len(labels) for _, labels in loader) == len(loader.dataset)
+            assert not any(tracked is mine for tracked in gc.get_objects())  # the generations list no frozen one
+        finally:
+            gc.unfreeze()
+    assert freed(record) == [f"old {me}", f"young {me}"]
+
+
+def test_one_freeze_for_forked_workers_at_a_time() -> None:
+    """A second thread's loader waits while another thread's workers are forked frozen: it would take
+    that freeze for the process's own, and fork its workers with the garbage unfrozen."""
+    events: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with reader.torch_hooks.garbage_kept_from_forked_workers(True):
+            entered.set()
+            release.wait(30)
+            events.append("first released")
+
+    def second() -> None:
+        with reader.torch_hooks.garbage_kept_from_forked_workers(True):
+            events.append("second frozen")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    threads[0].start()
+    assert entered.wait(30)
+    threads[1].start()
+    threads[1].join(0.5)
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert events == ["first released", "second frozen"] and gc.get_freeze_count() == 0
 
 
 def test_a_process_without_cuda_forks_workers_without_a_full_collection(raw_path: Path,
@@ -376,7 +424,7 @@ def test_a_process_without_cuda_forks_workers_without_a_full_collection(raw_path
     monkeypatch.setattr(reader.torch_hooks, "garbage_kept_from_forked_workers",
                         lambda forking: asked.append(forking) or keeping(forking))
     loader = make_loader(PackedDataset(raw_path), 8, num_workers=2, multiprocessing_context="fork", pin_memory=False)
-    with full_collections() as full:
+    with collector_paused(), full_collections() as full:
         iterator = iter(loader)
         next(iterator)
     assert full == [] and asked == [False]
