@@ -226,17 +226,18 @@ def run(args: argparse.Namespace) -> None:
         readers = [(f"{label}", sys.executable, None)]
         if args.before:
             readers.append((f"{label} before", sys.executable, args.before))
+        per_rank = max(1, args.workers // args.ranks)  # the loader processes of each rank
         for name, python, checkout in readers:
             for order in args.orders.split(","):
                 launcher, ranked = _launcher(args.ranks)
                 command = ["env", f"PYTHONPATH={_python_path(checkout or HERE.parents[1])}", python,
                            *launcher, str(HERE), "read", str(dataset), *ranked, "--order", order,
-                           "--epochs", str(args.epochs), "--workers", str(max(1, args.workers // args.ranks)),
+                           "--epochs", str(args.epochs), "--workers", str(per_rank),
                            "--hold", str(args.hold), "--grow", str(args.grow),
                            *(["--start-method", args.start_method] if args.start_method else [])]
-                decoding = _decode_bound(dataset, args.workers)
+                decoding = _decode_bound(dataset, per_rank * args.ranks)  # as many processes as read
                 run_rows = _row(f"{name}, {order}", command, mnt, args.mem, payload, rate)
-                after = _decode_bound(dataset, args.workers)
+                after = _decode_bound(dataset, per_rank * args.ranks)
                 rows.extend(_against_decoding(run_rows, decoding, after, bound))
     if args.ffcv:
         beton = Path(args.ffcv)
@@ -398,8 +399,8 @@ def main() -> None:
         p.add_argument("--ranked", action="store_true", help="this process is a rank under torchrun")
     args = parser.parse_args()
     if args.command == "run":
-        if args.ranks < 1:
-            parser.error(f"--ranks must be at least 1, not {args.ranks}")
+        if args.ranks < 1 or args.workers < 1:
+            parser.error(f"--ranks and --workers must be at least 1, not {args.ranks} and {args.workers}")
         run(args)
     elif args.command == "read":
         rows = read_epochs(args.path, args.order, args.epochs, args.workers, args.hold, args.grow,
