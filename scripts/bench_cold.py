@@ -10,12 +10,12 @@ cgroup v1 or v2; ``SLOWDISK`` names another such tool), written ``[LABEL=]PATH``
 of its shard files under ``slowdisk run`` (the page cache dropped first): the disk's sequential rate;
 then, per order, a loader (batch 256, ``--workers`` processes: 2 unless told, the setting the cold
 figures in BENCHMARKS.md are taken with) reading ``--epochs`` epochs under ``slowdisk run``.
-``--before CHECKOUT`` runs another checkout's reader on the same set right after (that checkout first
-on ``PYTHONPATH``); ``--ffcv`` adds FFCV 1.0.2's loader (as many threads; ``--ffcv-orders``:
-``RANDOM`` with ``os_cache=True`` and ``QUASI_RANDOM``, its two cold settings; from ``--ffcv-python``,
-a venv of its own, never a dependency of this project) over a ``.beton`` on the same disk; ``--mem`` runs the readers
-with ``SLOW_MEM`` (memory and page cache capped: a set larger than that is read from the disk every
-epoch); ``--hold MB`` makes each of our readers hold that much memory of its own first (as a CUDA
+``--before CHECKOUT`` runs another checkout's reader on the same set right after (that checkout first on
+``PYTHONPATH``); ``--ffcv`` adds FFCV 1.0.2's loader (as many threads; ``--ffcv-orders``: ``RANDOM``
+with ``os_cache=True`` and ``QUASI_RANDOM``, its two cold settings; from ``--ffcv-python``, a venv of
+its own, never a dependency of this project) over a ``.beton`` on the same disk; ``--mem`` runs the
+readers with ``SLOW_MEM`` (memory and page cache capped: a set larger than that is read from the disk
+every epoch); ``--hold MB`` makes each of our readers hold that much memory of its own first (as a CUDA
 context and a model would), ``--grow MB`` right after its first batch (as memory a training job takes
 once it runs would: a model moved to the GPU after the loader was made, CUDA's context started by the
 first batch's ``.cuda()``); ``--start-method`` starts the loaders' workers so (``make_loader``'s
