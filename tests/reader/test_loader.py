@@ -365,7 +365,7 @@ def test_forked_workers_do_not_inherit_the_parents_garbage(raw_path: Path, tmp_p
             assert sum(len(labels) for _, labels in loader) == len(loader.dataset)
             gc.collect(1)
         assert full == [] and gc.get_freeze_count() == 0
-        assert freed(record) == [f"young {me}"]
+        assert f"young {me}" in freed(record)  # (where a young collection takes part of the old one, "old" too)
         gc.collect()
         assert freed(record) == [f"old {me}", f"young {me}"]
 
