@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from typing import NamedTuple
 
 import numpy as np
 
@@ -35,51 +34,6 @@ PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.restype = ctypes.c_int
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-
-class Holes(NamedTuple):
-    """The pages of a file range that the page cache lacks: ``runs`` runs of them, the first starting at
-    byte ``start`` and the last ending at ``stop`` (page bounds), with ``cached`` bytes of pages it holds
-    between the two."""
-
-    start: int
-    stop: int
-    runs: int
-    cached: int
-
-
-def cache_holes(fd: int, start: int, end: int) -> Holes | None:
-    """The holes the page cache has in bytes ``[start, end)`` of ``fd``'s file (the pages that the range
-    touches); None where it holds them all, or cannot tell (a range past the file's end, a file system
-    that cannot map).
-
-    Why: the kernel's read-ahead reads around every page it finds cached, one disk request per run of
-    missing pages, so a block that memory pressure evicted in part (the pages of the records already
-    read are kept, the others go) is read back record by record at the disk's IOPS unless the pages
-    between its holes are dropped first (``reader.shard_io``). ``mincore`` needs a mapping: one is made
-    for the question and never read, so no page is faulted in.
-    """
-    first = start - start % PAGE
-    length = end - first
-    if length <= 0:
-        return None
-    try:
-        mapping = mmap.mmap(fd, length, prot=mmap.PROT_READ, offset=first)
-    except (OSError, ValueError):
-        return None
-    try:
-        view = np.frombuffer(mapping, np.uint8)
-        pages = np.empty(-(-length // PAGE), np.uint8)
-        answered = _libc.mincore(view.ctypes.data, length, pages.ctypes.data) == 0
-        del view  # the mapping cannot close while a view of it lives
-    finally:
-        mapping.close()
-    missing = np.flatnonzero((pages & 1) == 0) if answered else np.zeros(0, np.int64)
-    if len(missing) == 0:
-        return None
-    low, high = int(missing[0]), int(missing[-1])
-    runs = 1 + int(np.count_nonzero(np.diff(missing) > 1))
-    return Holes(first + low * PAGE, first + (high + 1) * PAGE, runs, (high + 1 - low - len(missing)) * PAGE)
 
 
 class MappedFile:

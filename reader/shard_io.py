@@ -40,9 +40,7 @@ where the kernel evicted advised pages before they were read (memory the job too
 CUDA, a checkpoint's pages), the block is read whole again instead of record by record at the disk's
 IOPS. Measured on the 1.4 GB JPEG set under a 1,500 MB cap, its reader taking 600 MB after its first
 batch (``scripts/bench_cold.py --grow``): 891 img/s with the workers reading only their records, 3,023
-with their advice. Where the kernel evicted a block only in part, keeping the pages of the records
-already read, the worker first drops the pages between its holes, which the kernel would otherwise
-read around, one request a hole (``_advise_blocks``, ``mend``). Who drops what:
+with their advice. Who drops what:
 
 - A batch gathered in a few blocks (quasi-random order): the main process drops each whole block once
   every batch reading it is received, and keeps a block the next pass advises while this one still reads
@@ -92,7 +90,7 @@ import numpy as np
 
 from reader.format import FileIdentity, FormatError
 from reader.format.shard_files import check_identity, open_checked
-from reader.mapped_copy import GUARDED, MappedFile, cache_holes
+from reader.mapped_copy import GUARDED, MappedFile
 from reader.streamed_blocks import StreamedBlocks, StreamPosition
 
 IOV_MAX = os.sysconf("SC_IOV_MAX")
@@ -102,11 +100,6 @@ DEFAULT_MAX_GAP = 64 << 10
 # blocks would fetch far more than it needs, so it reads only its records. Quasi-random batches touch
 # one window of blocks (16 by default), or two where a batch straddles windows.
 MAX_READAHEAD_BLOCKS = 32
-# Cached bytes a streaming worker drops and reads again to save one disk request, mending a block the
-# kernel evicted in part (``ShardFiles._advise_blocks``): what the slow disk of the benchmarks (100 MB/s,
-# 200 IOPS) reads in the time a request costs it. A hard disk reads more in a seek's time (150 MB/s and
-# 8 ms: 1.2 MB), so this errs toward reading less again.
-MEND_BYTES_PER_REQUEST = 512 << 10
 # One WILLNEED reads at most max(read-ahead, largest request) of the device (mm/readahead.c), so
 # blocks are advised in pieces no longer than that; this is used where sysfs does not tell.
 FALLBACK_ADVICE_BYTES = 512 << 10
@@ -413,7 +406,7 @@ class ShardFiles:
         ends = np.fromiter((run.start + run.total for run in pending), np.int64, len(pending))
         blocks = self._gathered_blocks(shard, starts, ends)
         if blocks is not None:
-            self._advise_blocks(shard, fd, blocks, mend=self.drop_behind)
+            self._advise_blocks(shard, fd, blocks)
 
     def _gathered_blocks(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> list[int] | None:
         """The blocks of shard ``shard`` that its byte ranges ``[starts, ends)`` touch, or None when they
@@ -432,27 +425,17 @@ class ShardFiles:
         within = np.arange(int(spans.sum())) - np.repeat(np.cumsum(spans) - spans, spans)
         return np.unique(np.repeat(first, spans) + within)
 
-    def _advise_blocks(self, shard: int, fd: int, blocks: list[int], clear: bool = False,
-                       mend: bool = False) -> None:
+    def _advise_blocks(self, shard: int, fd: int, blocks: list[int], clear: bool = False) -> None:
         """``posix_fadvise(WILLNEED)`` the whole ``blocks`` (global numbers, all in shard ``shard``), in
         device-sized pieces, under the shard's advice lock.
 
         The advice is asynchronous and only advice: pages already cached cost a lookup, not a read,
         and a file system that refuses it just leaves the records to be read on their own.
 
-        The kernel cuts its read around every page present, one disk request per run of missing pages.
-        So ``clear`` (the main process's first advice of a block in a streamed pass) first drops what
-        the cache holds of each block: the pages that dropping records left behind, each shared by two
-        records. And ``mend`` (a streaming worker that missed) drops, in a block that the kernel
-        evicted in part, the pages between its first and last hole (``cache_holes``), where reading
-        them again costs less than the requests it saves (``MEND_BYTES_PER_REQUEST`` a hole beyond the
-        first): a block advised ahead is evicted in part where memory is short (the batch slots a loader
-        makes as its first epoch starts, memory the job takes later), keeping the pages of the records
-        already read, and its other records would come back one disk request each. Measured on 24,000
-        JPEG records under a 580 MB cap, where the loader's slots took 248 MB at the first epoch's
-        start: the first window's blocks went from 29 whole to 9 whole and 40 with 262 holes, and the
-        next batch waited 1.5 s for 255 reads of 80 KB. Where most of a block is cached (a read cut
-        short, a few holes), it is left as it is.
+        ``clear`` (a streamed dataset) first drops what the cache holds of each block: the pages that
+        dropping records left behind, each shared by two records. The kernel cuts its read around
+        every page present, so those pages, one per record, would turn the block's read into one
+        disk request per record.
         """
         piece = self._advice_piece(shard, fd)
         with _advice_lock(fd):
@@ -461,11 +444,8 @@ class ShardFiles:
                     start, end = self._block_range(shard, block)
                     if end <= start:  # an empty block (and a length of 0 would mean "to the file's end")
                         continue
-                    holes = cache_holes(fd, start, end) if mend and not clear else None
                     if clear:
                         os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
-                    elif holes is not None and holes.cached < (holes.runs - 1) * MEND_BYTES_PER_REQUEST:
-                        os.posix_fadvise(fd, holes.start, holes.stop - holes.start, os.POSIX_FADV_DONTNEED)
                     for offset in range(start, end, piece):
                         os.posix_fadvise(fd, offset, min(piece, end - offset), os.POSIX_FADV_WILLNEED)
             except OSError:

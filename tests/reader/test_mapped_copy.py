@@ -1,6 +1,5 @@
 """Warm records copied from a mapping of the shard: same bytes as ``preadv``, no ``preadv`` at all,
-and a shard that shrinks after it was mapped gets the changed-file error, not SIGBUS; where the page
-cache holds a range with holes (``cache_holes``), read from the real page cache."""
+and a shard that shrinks after it was mapped gets the changed-file error, not SIGBUS."""
 from __future__ import annotations
 
 import json
@@ -16,7 +15,7 @@ from reader_helpers import make_images, pack_images
 import reader.shard_io
 from reader import PackedDataset
 from reader.format import FormatError
-from reader.mapped_copy import GUARDED, PAGE, Holes, MappedFile, cache_holes
+from reader.mapped_copy import GUARDED, PAGE, MappedFile
 
 
 @pytest.fixture
@@ -39,45 +38,6 @@ def test_resident_pages_and_bounds(tmp_path):
         out = bytearray(300)
         assert mapped.copy(PAGE - 100, [memoryview(out)[:100], memoryview(out)[100:]]) == 300
         assert bytes(out) == path.read_bytes()[PAGE - 100:PAGE + 200]
-    finally:
-        os.close(fd)
-
-
-def test_cache_holes_of_a_range_cached_in_part(tmp_path):
-    """Holes made by dropping single pages of a file cached page by page (without read-ahead, so that
-    the kernel holds it in one-page pieces and drops exactly the pages asked)."""
-    path = tmp_path / "file"
-    with open(path, "wb") as f:
-        f.write(os.urandom(16 * PAGE))
-        os.fsync(f.fileno())  # dirty pages cannot be dropped
-    fd = os.open(path, os.O_RDONLY)
-
-    def drop(first: int, pages: int) -> None:
-        os.posix_fadvise(fd, first * PAGE, pages * PAGE, os.POSIX_FADV_DONTNEED)
-
-    try:
-        drop(0, 16)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        for page in range(16):
-            os.pread(fd, 1, page * PAGE)
-        try:
-            os.preadv(fd, [bytearray(16 * PAGE)], 0, os.RWF_NOWAIT)
-        except BlockingIOError:
-            pytest.skip("this file system does not keep what was read in the page cache")
-        assert cache_holes(fd, 0, 16 * PAGE) is None  # all cached
-        drop(3, 2)
-        assert cache_holes(fd, 0, 16 * PAGE) == Holes(3 * PAGE, 5 * PAGE, runs=1, cached=0)
-        drop(9, 1)
-        assert cache_holes(fd, 0, 16 * PAGE) == Holes(3 * PAGE, 10 * PAGE, runs=2, cached=4 * PAGE)
-        drop(11, 1)
-        assert cache_holes(fd, 0, 16 * PAGE) == Holes(3 * PAGE, 12 * PAGE, runs=3, cached=5 * PAGE)
-        # a range off page bounds counts the pages it touches
-        assert cache_holes(fd, 100, 10 * PAGE - 7) == Holes(3 * PAGE, 10 * PAGE, runs=2, cached=4 * PAGE)
-        assert cache_holes(fd, 5 * PAGE, 9 * PAGE) is None
-        assert cache_holes(fd, 0, 17 * PAGE) is None  # past the file's end: no answer
-        assert cache_holes(fd, 4 * PAGE, 4 * PAGE) is None
-        drop(0, 16)
-        assert cache_holes(fd, 0, 16 * PAGE) == Holes(0, 16 * PAGE, runs=1, cached=0)
     finally:
         os.close(fd)
 

@@ -180,11 +180,9 @@ class FadviseLog:
 def test_a_streaming_read_advises_the_blocks_it_misses_and_drops_nothing_of_a_gathered_batch(packed, monkeypatch):
     """A cold gathered batch read with drop_behind asks for its blocks, as any cold read does, without
     clearing them (the main process clears a block once a pass, before its own advice), and drops
-    nothing (the main process drops its blocks). Its blocks are wholly out of the page cache: no holes
-    to mend (below)."""
+    nothing (the main process drops its blocks)."""
     ds = blocks_of(packed.path, 5)
     ds.targets  # the table: block bounds known
-    evict(shard_file(ds))
     disk = FadviseLog(monkeypatch)
     ds.drop_behind = True
     ds.read_batch([12, 6, 13])
@@ -212,44 +210,6 @@ def test_a_streaming_read_reads_an_evicted_block_whole_again(packed, monkeypatch
     assert resident_pages(path)[block.start:block.stop].all()
     later = sorted({page for i in range(20, COUNT) for page in inner_pages(int(ds._offsets[i]), int(ds._nbytes[i]))})
     assert not resident_pages(path)[later].any()  # nor the records of the blocks after the next
-
-
-def test_a_streaming_read_mends_a_block_evicted_in_part_before_advising_it(packed, monkeypatch):
-    """A block the kernel evicted in part (memory pressure keeps the pages of the records already read):
-    the streaming worker that misses in it drops the pages between its first and last hole, so that the
-    kernel reads them back in one request rather than one request a hole, where those pages are fewer
-    bytes than the requests saved are worth. A worker of a loader that does not stream leaves the cache
-    alone. Holes made in the real page cache; the advice itself recorded."""
-    ds = blocks_of(packed.path, 5)
-    ds.targets
-    path = shard_file(ds)
-    cache(path)  # page by page (skips where the page cache will not say what it holds)
-    bounds = ds._files._block_starts
-    first_block = [i for i in range(COUNT) if bounds[1] <= ds._offsets[i] < bounds[2]]
-    assert first_block == [5, 6, 7, 8, 9]
-    holes = [page for i in (5, 8) for page in inner_pages(int(ds._offsets[i]), int(ds._nbytes[i]))]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for page in holes:
-            os.posix_fadvise(fd, page * PAGE, PAGE, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    resident = resident_pages(path)
-    assert not resident[holes].any() and resident[min(holes):max(holes) + 1].any()
-    disk = FadviseLog(monkeypatch)
-    ds.read_batch([6])
-    assert disk.of(os.POSIX_FADV_DONTNEED) == []  # not streamed: left alone
-    ds.drop_behind = True
-    cached_between = int(resident[min(holes):max(holes) + 1].sum()) * PAGE
-    monkeypatch.setattr(reader.shard_io, "MEND_BYTES_PER_REQUEST", cached_between)  # not worth it
-    ds.read_batch([6])
-    assert disk.of(os.POSIX_FADV_DONTNEED) == []
-    monkeypatch.setattr(reader.shard_io, "MEND_BYTES_PER_REQUEST", cached_between + 1)
-    calls = len(disk.calls)
-    ds.read_batch([6])
-    assert disk.of(os.POSIX_FADV_DONTNEED) == [(min(holes) * PAGE, (max(holes) + 1 - min(holes)) * PAGE)]
-    assert disk.calls[calls][0] == os.POSIX_FADV_DONTNEED  # before the block's advice
-    assert int(bounds[1]) in {offset for offset, _ in disk.of(os.POSIX_FADV_WILLNEED)}
 
 
 def test_streamed_advice_reads_each_block_once_a_pass_and_drops_it_once_received(packed, monkeypatch):
