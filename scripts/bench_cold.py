@@ -211,6 +211,8 @@ def payload_bytes(dataset: Path) -> tuple[int, int, list[Path]]:
 def run(args: argparse.Namespace) -> None:
     mnt = args.mnt
     rows = []
+    per_rank = max(1, args.workers // args.ranks)  # the loader processes of each rank
+    decoders = per_rank * args.ranks  # the decode bound's processes: as many as read
     for item in args.sets:
         label, _, path = item.rpartition("=")
         dataset = Path(path)
@@ -226,7 +228,6 @@ def run(args: argparse.Namespace) -> None:
         readers = [(f"{label}", sys.executable, None)]
         if args.before:
             readers.append((f"{label} before", sys.executable, args.before))
-        per_rank = max(1, args.workers // args.ranks)  # the loader processes of each rank
         for name, python, checkout in readers:
             for order in args.orders.split(","):
                 launcher, ranked = _launcher(args.ranks)
@@ -235,9 +236,9 @@ def run(args: argparse.Namespace) -> None:
                            "--epochs", str(args.epochs), "--workers", str(per_rank),
                            "--hold", str(args.hold), "--grow", str(args.grow),
                            *(["--start-method", args.start_method] if args.start_method else [])]
-                decoding = _decode_bound(dataset, per_rank * args.ranks)  # as many processes as read
+                decoding = _decode_bound(dataset, decoders)
                 run_rows = _row(f"{name}, {order}", command, mnt, args.mem, payload, rate)
-                after = _decode_bound(dataset, per_rank * args.ranks)
+                after = _decode_bound(dataset, decoders)
                 rows.extend(_against_decoding(run_rows, decoding, after, bound))
     if args.ffcv:
         beton = Path(args.ffcv)
