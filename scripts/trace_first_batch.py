@@ -1,0 +1,143 @@
+"""Where a cold epoch's first batch waits: a timeline of the loader's steps in its main process and workers.
+
+    scripts/slowdisk run python scripts/trace_first_batch.py SET [--workers 2] [--batch 256]
+
+Run under ``scripts/slowdisk run`` (the page cache dropped, reads throttled), it makes ``make_loader(SET,
+batch, num_workers=workers)`` and takes its first batch, noting when each step starts and ends, in
+milliseconds from ``iter()``. In the main process: the DataLoader's iterator made (its workers forked,
+then its first batches drawn from the stream), the record tables asked for and the blocks advised
+(first and last call before the first batch, and how many), the first batch received from a worker and
+its pinned copy (where CUDA is there, it is started first, as a training script does, and batches are
+pinned). In each worker: its start (``worker_init_fn``, right after the fork) and its first batch (the
+read and decode, then the handoff). Then the same with the cache warm (a second loader over the same
+set, whose first batch is now cached), so that what the disk costs shows against what the processes
+cost.
+
+Why: BENCHMARKS.md's first batches are one figure, the wait; on a lent 16-core machine they came 0.1-0.2 s
+later than the disk's first window explains, and one number cannot say which step took it. The steps
+are timed by wrapping the loader's own functions in this process before the loader is made, so the
+reader runs unchanged and its forked workers inherit the wrappers (the loader's default start on
+Linux; spawned workers would import the modules unwrapped); each process appends its lines to one
+file, ``time.time()`` being one clock for all of them on one machine.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from reader import PackedDataset  # noqa: E402
+from reader import loader as loader_module  # noqa: E402
+from reader.packed_view import PackedView  # noqa: E402
+from reader.torch_hooks import HookedDataLoader  # noqa: E402
+
+TRACE = Path(tempfile.mkdtemp(prefix="first-batch-")) / "trace.txt"
+loader_number = 0  # which loader of this run is being traced (its workers inherit the number)
+
+
+def note(event: str) -> None:
+    """One line ``time pid event``, appended with one write (whole lines from concurrent processes)."""
+    line = f"{time.time():.6f} {os.getpid()} {event}\n".encode()
+    fd = os.open(TRACE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def timed(name: str, function: Callable[..., Any], first_only: bool = True) -> Callable[..., Any]:
+    """``function`` noting its start and end as ``name``: its first call for each loader in each process
+    only, or all."""
+    calls: dict[tuple[int, int], int] = {}
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        key = (os.getpid(), loader_number)
+        count = calls[key] = calls.get(key, 0) + 1
+        if first_only and count > 1:
+            return function(*args, **kwargs)
+        note(f"{name} #{count} start")
+        try:
+            return function(*args, **kwargs)
+        finally:
+            note(f"{name} #{count} end")
+    return wrapper
+
+
+def instrument() -> None:
+    """Wrap the loader's steps (module docstring); before ``make_loader``, which takes some of them."""
+    HookedDataLoader._get_iterator = timed("main makes the iterator", HookedDataLoader._get_iterator)  # type: ignore[method-assign]
+    loader_module.start_worker = timed("worker start", loader_module.start_worker)
+    loader_module.hand_over = timed("worker handoff", loader_module.hand_over)
+    loader_module._received = timed("main receives a batch", loader_module._received)
+    loader_module._pinned = timed("main pinned copy", loader_module._pinned)
+    PackedView.__getitems__ = timed("worker reads and decodes", PackedView.__getitems__)  # type: ignore[method-assign]
+    PackedView.read_tables_ahead = timed("main asks for tables", PackedView.read_tables_ahead, first_only=False)  # type: ignore[method-assign]
+    PackedView.advise = timed("main advises blocks", PackedView.advise, first_only=False)  # type: ignore[method-assign]
+
+
+def first_batch(path: str, workers: int, batch: int, label: str) -> None:
+    """Make a loader over ``path`` and take its first batch, noting ``iter()`` and the batch's arrival."""
+    global loader_number
+    loader_number += 1
+    loader = loader_module.make_loader(PackedDataset(path), batch, num_workers=workers)
+    note(f"{label}: iter")
+    iterator = iter(loader)
+    next(iterator)
+    note(f"{label}: first batch")
+    del iterator, loader
+
+
+def timeline(lines: list[str], label: str) -> str:
+    """The lines from ``label``'s ``iter()`` to its first batch, in ms from ``iter()``, by process; calls
+    that repeat (tables asked for, blocks advised) folded into first, last and count."""
+    rows = [(float(t), int(pid), event) for t, pid, event in (line.split(" ", 2) for line in lines)]
+    begin = next(i for i, row in enumerate(rows) if row[2] == f"{label}: iter")
+    end = next(i for i, row in enumerate(rows) if row[2] == f"{label}: first batch")
+    t0, main = rows[begin][0], rows[begin][1]
+    workers: dict[int, str] = {}
+    repeated: dict[str, list[float]] = {}
+    out = []
+    for t, pid, event in rows[begin:end + 1]:
+        who = "main" if pid == main else workers.setdefault(pid, f"worker {len(workers)}")
+        name, _, rest = event.partition(" #")
+        if name in ("main asks for tables", "main advises blocks"):
+            if rest.endswith("start"):
+                repeated.setdefault(name, []).append(1000 * (t - t0))
+            continue
+        out.append(f"  {1000 * (t - t0):8.1f} ms  {who:9}  {name}{' ' + rest.split()[-1] if rest else ''}")
+    for name, times in repeated.items():
+        out.append(f"  {name}: {len(times)} calls, first at {times[0]:.1f} ms, last at {times[-1]:.1f} ms")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("set", help="a packed dataset, read cold (run under scripts/slowdisk run)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=256)
+    args = parser.parse_args()
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")
+    print(f"{args.set}: batch {args.batch}, {args.workers} workers, "
+          f"{'CUDA started first' if torch.cuda.is_available() else 'no CUDA'}")
+    instrument()
+    for label in ("cold", "warm"):
+        first_batch(args.set, args.workers, args.batch, label)
+    lines = TRACE.read_text().splitlines()
+    for label in ("cold", "warm"):
+        print(f"{label} (page cache {'dropped' if label == 'cold' else 'holding the set'}):")
+        print(timeline(lines, label), flush=True)
+
+
+if __name__ == "__main__":
+    main()
