@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -134,8 +135,9 @@ def main() -> None:
     for label in ("cold", "warm"):
         first_batch(args.set, args.workers, args.batch, label)
     lines = TRACE.read_text().splitlines()
+    shutil.rmtree(TRACE.parent)
     for label in ("cold", "warm"):
-        print(f"{label} (page cache {'dropped' if label == 'cold' else 'holding the set'}):")
+        print(f"{label} (page cache {'dropped' if label == 'cold' else 'holding the first batch'}):")
         print(timeline(lines, label), flush=True)
 
 
