@@ -6,19 +6,22 @@ Run under ``scripts/slowdisk run`` (the page cache dropped, reads throttled), it
 batch, num_workers=workers)`` and takes its first batch, noting when each step starts and ends, in
 milliseconds from ``iter()``. In the main process: the DataLoader's iterator made (its workers forked,
 then its first batches drawn from the stream), the record tables asked for and the blocks advised
-(first and last call before the first batch, and how many), the first batch received from a worker and
-its pinned copy (where CUDA is there, it is started first, as a training script does, and batches are
-pinned). In each worker: its start (``worker_init_fn``, right after the fork) and its first batch (the
-read and decode, then the handoff). Then the same with the cache warm (a second loader over the same
-set, whose first batch is now cached), so that what the disk costs shows against what the processes
-cost.
+(first and last call before the first batch, and how many), each batch received from a worker until
+the first is yielded (in order: one worker's may come before the first) and the first's pinned copy
+(where CUDA is there it is started first, as ``bench_cold.py`` starts it, and batches are pinned). In
+each worker: its start (``worker_init_fn``, right after the fork) and its first batch (the read and
+decode, then the handoff to the collate function; the pickling and the queue that carry the batch to
+the main process come between that and its receipt, untimed). Then the same with the cache warm (a
+second loader over the same set, whose first batch is now cached), so that what the disk costs shows
+against what the processes cost.
 
-Why: BENCHMARKS.md's first batches are one figure, the wait; on a lent 16-core machine they came 0.1-0.2 s
-later than the disk's first window explains, and one number cannot say which step took it. The steps
-are timed by wrapping the loader's own functions in this process before the loader is made, so the
-reader runs unchanged and its forked workers inherit the wrappers (the loader's default start on
-Linux; spawned workers would import the modules unwrapped); each process appends its lines to one
-file, ``time.time()`` being one clock for all of them on one machine.
+Why: BENCHMARKS.md's first batches are one figure, the wait; on one lent 16-core machine (lending C
+there) they came at 0.39-0.46 s, about 0.2 s more than the disk's first window explains, and one
+number cannot say which step took it. The steps are timed by wrapping the loader's own functions in
+this process before the loader is made, so the reader runs unchanged; its workers are forked, so that
+they inherit the wrappers (spawned ones would import the modules unwrapped). Each process appends its
+lines to one file, tagged with the loader they belong to, ``time.time()`` being one clock for all of
+them on one machine.
 """
 from __future__ import annotations
 
@@ -41,13 +44,13 @@ from reader import loader as loader_module  # noqa: E402
 from reader.packed_view import PackedView  # noqa: E402
 from reader.torch_hooks import HookedDataLoader  # noqa: E402
 
-TRACE = Path(tempfile.mkdtemp(prefix="first-batch-")) / "trace.txt"
+TRACE = Path()  # the file every process appends its lines to: set by main(), inherited by the workers
 loader_number = 0  # which loader of this run is being traced (its workers inherit the number)
 
 
 def note(event: str) -> None:
     """One line ``time pid event``, appended with one write (whole lines from concurrent processes)."""
-    line = f"{time.time():.6f} {os.getpid()} {event}\n".encode()
+    line = f"{time.time():.6f} {os.getpid()} {loader_number} {event}\n".encode()
     fd = os.open(TRACE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, line)
@@ -79,7 +82,7 @@ def instrument() -> None:
     HookedDataLoader._get_iterator = timed("main makes the iterator", HookedDataLoader._get_iterator)  # type: ignore[method-assign]
     loader_module.start_worker = timed("worker start", loader_module.start_worker)
     loader_module.hand_over = timed("worker handoff", loader_module.hand_over)
-    loader_module._received = timed("main receives a batch", loader_module._received)
+    loader_module._received = timed("main receives a batch", loader_module._received, first_only=False)
     loader_module._pinned = timed("main pinned copy", loader_module._pinned)
     PackedView.__getitems__ = timed("worker reads and decodes", PackedView.__getitems__)  # type: ignore[method-assign]
     PackedView.read_tables_ahead = timed("main asks for tables", PackedView.read_tables_ahead, first_only=False)  # type: ignore[method-assign]
@@ -90,7 +93,8 @@ def first_batch(path: str, workers: int, batch: int, label: str) -> None:
     """Make a loader over ``path`` and take its first batch, noting ``iter()`` and the batch's arrival."""
     global loader_number
     loader_number += 1
-    loader = loader_module.make_loader(PackedDataset(path), batch, num_workers=workers)
+    loader = loader_module.make_loader(PackedDataset(path), batch, num_workers=workers,
+                                       multiprocessing_context="fork")
     note(f"{label}: iter")
     iterator = iter(loader)
     next(iterator)
@@ -98,10 +102,11 @@ def first_batch(path: str, workers: int, batch: int, label: str) -> None:
     del iterator, loader
 
 
-def timeline(lines: list[str], label: str) -> str:
-    """The lines from ``label``'s ``iter()`` to its first batch, in ms from ``iter()``, by process; calls
-    that repeat (tables asked for, blocks advised) folded into first, last and count."""
-    rows = [(float(t), int(pid), event) for t, pid, event in (line.split(" ", 2) for line in lines)]
+def timeline(lines: list[str], label: str, number: int) -> str:
+    """The lines of loader ``number`` from ``label``'s ``iter()`` to its first batch, in ms from ``iter()``,
+    by process; calls that repeat (tables asked for, blocks advised) folded into first, last and count."""
+    rows = sorted((float(t), int(pid), event) for t, pid, loader, event in (line.split(" ", 3) for line in lines)
+                  if int(loader) == number)
     begin = next(i for i, row in enumerate(rows) if row[2] == f"{label}: iter")
     end = next(i for i, row in enumerate(rows) if row[2] == f"{label}: first batch")
     t0, main = rows[begin][0], rows[begin][1]
@@ -128,17 +133,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
     if torch.cuda.is_available():
-        torch.zeros(1, device="cuda")
+        torch.empty(1).pin_memory()
     print(f"{args.set}: batch {args.batch}, {args.workers} workers, "
           f"{'CUDA started first' if torch.cuda.is_available() else 'no CUDA'}")
+    global TRACE
+    TRACE = Path(tempfile.mkdtemp(prefix="first-batch-")) / "trace.txt"
     instrument()
-    for label in ("cold", "warm"):
-        first_batch(args.set, args.workers, args.batch, label)
-    lines = TRACE.read_text().splitlines()
-    shutil.rmtree(TRACE.parent)
-    for label in ("cold", "warm"):
+    labels = ("cold", "warm")
+    try:
+        for label in labels:
+            first_batch(args.set, args.workers, args.batch, label)
+        lines = TRACE.read_text().splitlines()
+    finally:
+        shutil.rmtree(TRACE.parent)
+    for number, label in enumerate(labels, 1):
         print(f"{label} (page cache {'dropped' if label == 'cold' else 'holding the first batch'}):")
-        print(timeline(lines, label), flush=True)
+        print(timeline(lines, label, number), flush=True)
 
 
 if __name__ == "__main__":
