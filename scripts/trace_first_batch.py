@@ -2,18 +2,18 @@
 
     scripts/slowdisk run python scripts/trace_first_batch.py SET [--workers 2] [--batch 256]
 
-Run under ``scripts/slowdisk run`` (the page cache dropped, reads throttled), it makes ``make_loader(SET,
-batch, num_workers=workers)`` and takes its first batch, noting when each step starts and ends, in
-milliseconds from ``iter()``. In the main process: the DataLoader's iterator made (its workers forked,
-then its first batches drawn from the stream), the record tables asked for and the blocks advised
-(first and last call before the first batch, and how many), each batch received from a worker until
-the first is yielded (in order: one worker's may come before the first) and the first's pinned copy
-(where CUDA is there it is started first, as ``bench_cold.py`` starts it, and batches are pinned). In
-each worker: its start (``worker_init_fn``, right after the fork) and its first batch (the read and
-decode, then the handoff to the collate function; the pickling and the queue that carry the batch to
-the main process come between that and its receipt, untimed). Then the same with the cache warm (a
-second loader over the same set, whose first batch is now cached), so that what the disk costs shows
-against what the processes cost.
+Run under ``scripts/slowdisk run`` (the page cache dropped, reads throttled), it makes
+``make_loader(SET, batch, num_workers=workers, multiprocessing_context="fork")`` and takes its first
+batch, noting when each step starts and ends, in milliseconds from ``iter()``. In the main process: the
+DataLoader's iterator made (its workers forked, then its first batches drawn from the stream), the
+record tables asked for and the blocks advised (first and last call before the first batch, and how
+many), each batch received from a worker until the first is yielded (in order: one worker's may come
+before the first) and the first's pinned copy (where CUDA is there it is started first, as
+``bench_cold.py`` starts it, and batches are pinned). In each worker: its start (``worker_init_fn``,
+right after the fork) and its first batch (the read and decode, then the handoff to the collate
+function; the pickling and the queue that carry the batch to the main process come between that and its
+receipt, untimed). Then the same with the cache warm (a second loader over the same set, whose first
+batch is now cached), so that what the disk costs shows against what the processes cost.
 
 Why: BENCHMARKS.md's first batches are one figure, the wait; on one lent 16-core machine (lending C
 there) they came at 0.39-0.46 s, about 0.2 s more than the disk's first window explains, and one
@@ -49,7 +49,7 @@ loader_number = 0  # which loader of this run is being traced (its workers inher
 
 
 def note(event: str) -> None:
-    """One line ``time pid event``, appended with one write (whole lines from concurrent processes)."""
+    """One line ``time pid loader event``, appended with one write (whole lines from concurrent processes)."""
     line = f"{time.time():.6f} {os.getpid()} {loader_number} {event}\n".encode()
     fd = os.open(TRACE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
