@@ -46,6 +46,8 @@ from reader.torch_hooks import HookedDataLoader  # noqa: E402
 
 TRACE = Path()  # the file every process appends its lines to: set by main(), inherited by the workers
 loader_number = 0  # which loader of this run is being traced (its workers inherit the number)
+# steps called many times before the first batch: the timeline gives their count, first and last call
+TABLES, ADVICE = "main asks for tables", "main advises blocks"
 
 
 def note(event: str) -> None:
@@ -85,30 +87,31 @@ def instrument() -> None:
     loader_module._received = timed("main receives a batch", loader_module._received, first_only=False)
     loader_module._pinned = timed("main pinned copy", loader_module._pinned)
     PackedView.__getitems__ = timed("worker reads and decodes", PackedView.__getitems__)  # type: ignore[method-assign]
-    PackedView.read_tables_ahead = timed("main asks for tables", PackedView.read_tables_ahead, first_only=False)  # type: ignore[method-assign]
-    PackedView.advise = timed("main advises blocks", PackedView.advise, first_only=False)  # type: ignore[method-assign]
+    PackedView.read_tables_ahead = timed(TABLES, PackedView.read_tables_ahead, first_only=False)  # type: ignore[method-assign]
+    PackedView.advise = timed(ADVICE, PackedView.advise, first_only=False)  # type: ignore[method-assign]
 
 
-def first_batch(path: str, workers: int, batch: int, label: str) -> None:
-    """Make a loader over ``path`` and take its first batch, noting ``iter()`` and the batch's arrival."""
+def first_batch(path: str, workers: int, batch: int) -> None:
+    """Make the run's next loader over ``path`` and take its first batch, noting ``iter()`` and the
+    batch's arrival."""
     global loader_number
     loader_number += 1
     loader = loader_module.make_loader(PackedDataset(path), batch, num_workers=workers,
                                        multiprocessing_context="fork")
-    note(f"{label}: iter")
+    note("iter")
     iterator = iter(loader)
     next(iterator)
-    note(f"{label}: first batch")
+    note("first batch")
     del iterator, loader
 
 
-def timeline(lines: list[str], label: str, number: int) -> str:
-    """The lines of loader ``number`` from ``label``'s ``iter()`` to its first batch, in ms from ``iter()``,
-    by process; calls that repeat (tables asked for, blocks advised) folded into first, last and count."""
+def timeline(lines: list[str], number: int) -> str:
+    """The lines of loader ``number`` from its ``iter()`` to its first batch, in ms from ``iter()``, by
+    process; the calls of ``TABLES`` and ``ADVICE`` folded into their count, first and last."""
     rows = sorted((float(t), int(pid), event) for t, pid, loader, event in (line.split(" ", 3) for line in lines)
                   if int(loader) == number)
-    begin = next(i for i, row in enumerate(rows) if row[2] == f"{label}: iter")
-    end = next(i for i, row in enumerate(rows) if row[2] == f"{label}: first batch")
+    begin = next(i for i, row in enumerate(rows) if row[2] == "iter")
+    end = next(i for i, row in enumerate(rows) if row[2] == "first batch")
     t0, main = rows[begin][0], rows[begin][1]
     workers: dict[int, str] = {}
     repeated: dict[str, list[float]] = {}
@@ -116,7 +119,7 @@ def timeline(lines: list[str], label: str, number: int) -> str:
     for t, pid, event in rows[begin:end + 1]:
         who = "main" if pid == main else workers.setdefault(pid, f"worker {len(workers)}")
         name, _, rest = event.partition(" #")
-        if name in ("main asks for tables", "main advises blocks"):
+        if name in (TABLES, ADVICE):
             if rest.endswith("start"):
                 repeated.setdefault(name, []).append(1000 * (t - t0))
             continue
@@ -141,14 +144,14 @@ def main() -> None:
     instrument()
     labels = ("cold", "warm")
     try:
-        for label in labels:
-            first_batch(args.set, args.workers, args.batch, label)
+        for _ in labels:
+            first_batch(args.set, args.workers, args.batch)
         lines = TRACE.read_text().splitlines()
     finally:
         shutil.rmtree(TRACE.parent)
     for number, label in enumerate(labels, 1):
         print(f"{label} (page cache {'dropped' if label == 'cold' else 'holding the first batch'}):")
-        print(timeline(lines, label, number), flush=True)
+        print(timeline(lines, number), flush=True)
 
 
 if __name__ == "__main__":
