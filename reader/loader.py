@@ -329,7 +329,9 @@ def make_loader(
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     # for JPEG records of varying sizes the estimate reads some record tables
     batch_bytes = view.batch_bytes_estimate(batch_size) if advise else 0
-    reserved = pool_bytes(workers, prefetch or 0, batch_bytes, pin)
+    batch_nbytes = view.batch_nbytes(batch_size)  # every full batch's size, where they have one
+    exact = batch_nbytes is not None  # the workers' slots are then made that size (``enable_handoff``)
+    reserved = pool_bytes(workers, prefetch or 0, batch_bytes, pin, exact)
     start_method = worker_start_method(multiprocessing_context)
     # streamed where the page cache cannot keep the dataset once this rank's loader and those of the
     # other ranks on this node run (each alike); where one rank of the node finds so, all stream: the
@@ -340,13 +342,13 @@ def make_loader(
     if workers > 0:
         warn_where_unguarded(start_method)
     lookahead = Lookahead(view, buffer_blocks, in_flight * batch_size, reserved,
-                          unsent=workers * slot_size(batch_bytes)) if advise else 0
+                          unsent=workers * slot_size(batch_bytes, exact)) if advise else 0
     loader = PackedLoader(
         view,
         batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead,
                                   read_tables=view.read_tables_ahead if advise else None, in_flight=in_flight),
         collate_fn=hand_over,
-        worker_init_fn=functools.partial(start_worker, batch_nbytes=view.batch_nbytes(batch_size)),
+        worker_init_fn=functools.partial(start_worker, batch_nbytes=batch_nbytes),
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=prefetch,

@@ -268,7 +268,8 @@ def test_jpeg_batch_is_decoded_shard_by_shard_as_each_is_read(jpeg_path, monkeyp
 
 def test_workers_make_their_first_slot_before_their_first_batch(raw_path, jpeg_path, tmp_path):
     """make_loader's workers make a full batch's slot when they start (its pages faulted in), for
-    datasets whose batches all have one size; the first batch then takes that slot."""
+    datasets whose batches all have one size; the first batch then takes that slot, and later slots
+    are made that size too (batches of other sizes get headroom)."""
     for path, room in ((raw_path, 0), (jpeg_path, STORE_ALIGNMENT)):  # JPEG: room to place the images
         loader = make_loader(PackedDataset(path), BATCH, num_workers=2)
         assert loader.worker_init_fn.keywords == {"batch_nbytes": BATCH * 3 * 16 * 24 + room}
@@ -279,8 +280,11 @@ def test_workers_make_their_first_slot_before_their_first_batch(raw_path, jpeg_p
     pool.reserve(1000)
     pool.reserve(900)  # fits the slot made already
     (slot,) = pool.slots
-    assert slot.capacity == 1000 + 1000 // batch_memory._HEADROOM
-    assert pool.take(1000).data_ptr() == slot.tensor.data_ptr() and len(pool.slots) == 1
+    assert slot.capacity == 1000  # every full batch has that size: no headroom
+    first = pool.take(1000)
+    assert first.data_ptr() == slot.tensor.data_ptr() and len(pool.slots) == 1
+    assert pool.take(800) is not None and pool.slots[1].capacity == 1000  # the next slot: a full batch's
+    assert pool.take(1200) is not None and pool.slots[2].capacity == 1200 + 1200 // batch_memory._HEADROOM
 
 
 class Sentinel:

@@ -164,7 +164,7 @@ def test_the_loader_s_lookahead_counts_the_buffers_made(large_records, monkeypat
     loader = make_loader(ds, 8, num_workers=2, pin_memory=False, multiprocessing_context="fork")
     lookahead = loader.batch_sampler.lookahead
     assert loader.view.streaming and isinstance(lookahead, Lookahead) and len(readings) == 1
-    slot = ds.batch_bytes(8) + ds.batch_bytes(8) // 8 + TRAILER  # with its headroom
+    slot = ds.batch_bytes(8) + TRAILER  # every full batch has that size: no headroom
     assert lookahead.made() == 0 and lookahead.unsent == 2 * slot
     labels = [label for _, batch_labels in loader for label in batch_labels.tolist()]
     assert labels == ds.targets[loader.shard_sampler.rank_order()].tolist()

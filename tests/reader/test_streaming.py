@@ -298,7 +298,7 @@ def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypa
     assert len(found) > 20  # every block checked, in every batch after it, was there
     monkeypatch.setattr(reader.loader, "cache_room", lambda to_come: int(ds.manifest.total_bytes * budget_share) or 4)
     if budget_share:  # room to advise a quarter of the set beyond the window (the whole set here)
-        reserved = pool_bytes(2, 1, ds.batch_bytes(BATCH), pinned=False)
+        reserved = pool_bytes(2, 1, ds.batch_bytes(BATCH), pinned=False, exact=True)
         total = ds.manifest.total_bytes
         monkeypatch.setattr(reader.lookahead, "free_memory",
                             lambda: reserved + round((total + total // 4) / STREAM_SHARE))
@@ -325,7 +325,7 @@ def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, mon
     unbounded = round(LOOKAHEAD_WINDOWS * 16 * len(ds) / blocks)
     window = shard_bytes * 16 // blocks
     monkeypatch.setattr(reader.loader, "cache_room", lambda to_come: shard_bytes // 4)  # streamed
-    reserved = pool_bytes(2, 1, ds.batch_bytes(4), pinned=False)  # 2 workers, prefetch 1, no pinning
+    reserved = pool_bytes(2, 1, ds.batch_bytes(4), pinned=False, exact=True)  # 2 workers, prefetch 1
     free = reserved + round((window + 20 * shard_bytes // len(ds)) / STREAM_SHARE)
     monkeypatch.setattr(reader.lookahead, "free_memory", lambda: free)
     loader = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
