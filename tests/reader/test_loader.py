@@ -283,8 +283,11 @@ def test_workers_make_their_first_slot_before_their_first_batch(raw_path, jpeg_p
     assert slot.capacity == 1000  # every full batch has that size: no headroom
     first = pool.take(1000)
     assert first.data_ptr() == slot.tensor.data_ptr() and len(pool.slots) == 1
-    assert pool.take(800) is not None and pool.slots[1].capacity == 1000  # the next slot: a full batch's
-    assert pool.take(1200) is not None and pool.slots[2].capacity == 1200 + 1200 // batch_memory._HEADROOM
+    second = pool.take(800)  # the first slot is in use: a new one, a full batch's size
+    assert second.data_ptr() == pool.slots[1].tensor.data_ptr() and pool.slots[1].capacity == 1000
+    larger = pool.take(1200)  # over a full batch: a slot with headroom
+    assert larger.data_ptr() == pool.slots[2].tensor.data_ptr()
+    assert pool.slots[2].capacity == 1200 + 1200 // batch_memory._HEADROOM
 
 
 class Sentinel:
