@@ -78,17 +78,19 @@ class _Pool:
     def __init__(self, shared: bool) -> None:
         self.shared = shared
         self.slots: list[_Slot] = []
-        self.batch_nbytes: int | None = None  # a full batch's bytes where every batch has that size
+        self.full_batch: int | None = None  # the largest size ``reserve`` was told every batch has
 
     def reserve(self, nbytes: int) -> None:
-        """Make a slot for batches of exactly ``nbytes`` (if no slot fits one yet), the size of every
-        full batch from now on: later slots are made that size too, with no headroom."""
-        self.batch_nbytes = max(nbytes, self.batch_nbytes or 0)
+        """Make a slot for a full batch of ``nbytes`` (if no slot fits one yet). From then on, a new slot
+        for a batch of up to the largest size so reserved is made exactly that size, with no headroom."""
+        self.full_batch = max(nbytes, self.full_batch or 0)
         if not any(slot.capacity >= nbytes for slot in self.slots) and len(self.slots) < MAX_SLOTS:
             self.slots.append(_Slot(nbytes, self.shared))
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """A ``uint8 [nbytes]`` view of a free slot, or of fresh memory when the pool is full."""
+        """A ``uint8 [nbytes]`` view of a free slot, or of fresh memory when the pool is full. A new slot
+        is a full batch's size where ``reserve`` said so and ``nbytes`` fits it, else ``nbytes`` with
+        1/8 headroom."""
         free = [slot for slot in self.slots if slot.is_free()]
         fitting = [slot for slot in free if slot.capacity >= nbytes]
         if fitting:
@@ -96,7 +98,7 @@ class _Pool:
         if len(self.slots) >= MAX_SLOTS and free:
             self.slots.remove(free[0])
         if len(self.slots) < MAX_SLOTS:
-            full = self.batch_nbytes
+            full = self.full_batch
             slot = _Slot(full if full is not None and nbytes <= full else _capacity(nbytes), self.shared)
             self.slots.append(slot)
             return slot.tensor[:nbytes]
