@@ -85,7 +85,7 @@ class _Pool:
         for a batch of up to the largest size so reserved is made exactly that size, with no headroom."""
         self.full_batch = max(nbytes, self.full_batch or 0)
         if not any(slot.capacity >= nbytes for slot in self.slots) and len(self.slots) < MAX_SLOTS:
-            self.slots.append(_Slot(nbytes, self.shared))
+            self.slots.append(_Slot(_capacity(nbytes, self.full_batch), self.shared))
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A ``uint8 [nbytes]`` view of a free slot, or of fresh memory when the pool is full. A new slot
@@ -98,8 +98,7 @@ class _Pool:
         if len(self.slots) >= MAX_SLOTS and free:
             self.slots.remove(free[0])
         if len(self.slots) < MAX_SLOTS:
-            full = self.full_batch
-            slot = _Slot(full if full is not None and nbytes <= full else _capacity(nbytes), self.shared)
+            slot = _Slot(_capacity(nbytes, self.full_batch), self.shared)
             self.slots.append(slot)
             return slot.tensor[:nbytes]
         return _fresh(nbytes, self.shared)
@@ -118,11 +117,14 @@ def slot_size(batch_bytes: int, exact: bool = False) -> int:
     """The bytes of a worker's slot made for a batch of ``batch_bytes``, its trailer included: that
     many where every batch has that size (``exact``: ``enable_handoff`` was told it), else with 1/8
     headroom for larger ones."""
-    return (batch_bytes if exact else _capacity(batch_bytes)) + TRAILER
+    return _capacity(batch_bytes, batch_bytes if exact else None) + TRAILER
 
 
-def _capacity(nbytes: int) -> int:
-    """The payload bytes of a slot made for ``nbytes``: 1/8 more, so that slightly larger batches fit."""
+def _capacity(nbytes: int, full_batch: int | None = None) -> int:
+    """The payload bytes of a slot made for a batch of ``nbytes``: a full batch's where every batch has
+    that size (``full_batch``) and this one fits it, else 1/8 more, so that slightly larger batches fit."""
+    if full_batch is not None and nbytes <= full_batch:
+        return full_batch
     return nbytes + nbytes // _HEADROOM
 
 
