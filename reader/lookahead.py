@@ -4,7 +4,8 @@ About one and a half windows of quasi-random blocks (``LOOKAHEAD_WINDOWS``), so 
 next window while the workers decode the current one. A streamed loader (a dataset larger than the
 page cache, ``reader.shard_io``) advises less where memory is short: the window being read, the batches
 in flight and the blocks advised ahead must fit in ``STREAM_SHARE`` (two fifths) of the memory free for
-the page cache (``lookahead_samples`` says why).
+the page cache, and in what is left of it beyond the files the processes map and a batch slot per
+worker (``lookahead_samples`` says why).
 
 When that is measured (``Lookahead``): first when the loader is made, before its workers exist, with
 its batch buffers set aside; then again every ``REMEASURE_S`` seconds while it streams, since a job's
@@ -43,15 +44,17 @@ _warned_short_of_memory = False  # the warning of ``lookahead_samples`` comes on
 
 
 def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, reserved: int = 0,
-                      stacklevel: int = 2) -> int:
+                      margin: int = 0, stacklevel: int = 2) -> int:
     """``LOOKAHEAD_WINDOWS`` windows of ``buffer_blocks`` of the dataset's blocks, in samples; for a
     streamed view (``PackedView.streaming``) at most what keeps the window the workers read, the
-    ``in_flight`` samples they were given and the blocks advised ahead within ``STREAM_SHARE`` of the
-    memory free for the page cache now (``free_memory``) once ``reserved`` bytes (batch buffers the
-    loader is about to make) are set aside, each rank on this node (``ranks_on_this_node``) counted with
-    its own buffers and share. Where that share does not hold even one window, a ``RuntimeWarning``
-    says so and what to change, once a process (a loader made each epoch would repeat it), with
-    ``stacklevel`` as ``warnings.warn`` takes it.
+    ``in_flight`` samples they were given and the blocks advised ahead within the *room* for blocks:
+    ``STREAM_SHARE`` of the memory free for the page cache now (``free_memory``) once ``reserved``
+    bytes (batch buffers the loader is about to make) are set aside, and no more than what is left of
+    it beyond the files the processes map and ``margin`` bytes (``Lookahead`` passes a batch slot per
+    worker); each rank on this node (``ranks_on_this_node``) counted with its own buffers and share.
+    Where that room does not hold even one window, a ``RuntimeWarning`` says so and what to change,
+    once a process (a loader made each epoch would repeat it), with ``stacklevel`` as
+    ``warnings.warn`` takes it.
 
     Why the bound: under a memory cap, the kernel evicts blocks advised ahead before they are used,
     and every record of them is then read again on its own, at the disk's IOPS; it starts well before
@@ -65,6 +68,17 @@ def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, 
     runs (its workers' memory counted), and 130 MB under 1,500 MB. A third left 8 MB ahead and read
     3,930-4,010 img/s under 900 MB, against 4,750-5,550 with two fifths. (Before, a quarter of the cap
     was allowed, more than is free where the loader's own batch slots or a CUDA process take most of it.)
+
+    Why the second bound: under a cap, reclaim takes blocks read ahead and not yet read before the
+    pages of the libraries the processes map (``free_memory``'s ``mapped_held``), and a worker that
+    finds no free batch slot makes one (38.5 MB for 256 images of 224x224) whenever it must, at the
+    cap. Where the free memory is small, two fifths of it left less than those two: the 24,000 JPEG
+    records (357 MB) under a 600 MB cap, 72-92 MB mapped and about 170 MB free once the slots are set
+    aside, read their first epoch at 1.16-1.53x the disk's time and a later one at 1.71x, each time
+    reading back blocks evicted before they were read; with the bound, which leaves nothing ahead
+    there, 1.10-1.12x and then 1.00-1.01x (``scripts/bench_cold.py --mem 600M``, same runs). Where
+    memory is not that short the share is the smaller: the 1.4 GB set under 900 MB (465 MB free,
+    about 300 MB beyond the files and slots) advises as before.
     """
     global _warned_short_of_memory
     view = as_view(dataset)
@@ -74,20 +88,22 @@ def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, 
         shard_bytes = max(view.shard_bytes(), 1)
         ranks = ranks_on_this_node()
         free = (free_memory() - ranks * reserved) // ranks  # this rank's part
+        unmapped = (free_memory(mapped_held=True) - ranks * reserved) // ranks - margin
         window = shard_bytes * min(buffer_blocks, blocks) // blocks
-        share = int(free * STREAM_SHARE)
+        share = max(0, min(int(free * STREAM_SHARE), unmapped))
         if share < window and not _warned_short_of_memory:
             _warned_short_of_memory = True
             held = (f"once the loader's batch buffers still to be made, {reserved >> 20} MiB, are set aside"
                     if reserved else "with the loader's batch buffers made")
             warnings.warn(
-                f"make_loader: the memory free for the page cache ({max(free, 0) >> 20} MiB {held}"
-                f"{f', for each of {ranks} ranks on this node' if ranks > 1 else ''}) is under "
-                f"{1 / STREAM_SHARE:g} read windows of this streamed dataset ({window >> 20} MiB each: "
-                "buffer_blocks x block_bytes): "
-                "blocks read ahead will be evicted before they are read, and records read one by one at "
-                "the disk's IOPS. Give the job more memory, or pass PackedDataset(block_bytes=...) or "
-                "make_loader(buffer_blocks=...) smaller, or fewer workers or a smaller batch",
+                f"make_loader: the page cache's room for this streamed dataset's blocks ({share >> 20} MiB: "
+                f"{STREAM_SHARE:g} of the {max(free, 0) >> 20} MiB free {held}, and no more than what the "
+                f"files the processes map and a batch slot per worker leave"
+                f"{f', for each of {ranks} ranks on this node' if ranks > 1 else ''}) is under one read "
+                f"window ({window >> 20} MiB: buffer_blocks x block_bytes): "
+                "blocks read ahead will be evicted before they are read, and read again. Give the job "
+                "more memory, or pass PackedDataset(block_bytes=...) or make_loader(buffer_blocks=...) "
+                "smaller, or fewer workers or a smaller batch",
                 RuntimeWarning, stacklevel=stacklevel)
         room = (share - window) * len(view) // shard_bytes - in_flight
         samples = max(0, min(samples, room))
@@ -100,7 +116,9 @@ class Lookahead:
     ``REMEASURE_S`` seconds as it is asked for, never above the first reading (module docstring). A
     later reading sets aside ``reserved`` less what ``made()`` says exists (the loader's
     ``buffer_bytes_made``: the slots batches came back in) and less ``unsent``, the slots the workers
-    may have made that no batch has come back in yet."""
+    may have made that no batch has come back in yet. Every reading also keeps ``unsent`` free beyond
+    the files the processes map (``lookahead_samples``' ``margin``): the slot a worker may have to make
+    before the next reading."""
 
     def __init__(self, view: PackedView, buffer_blocks: int, in_flight: int, reserved: int,
                  unsent: int = 0) -> None:
@@ -110,13 +128,14 @@ class Lookahead:
         self.reserved = reserved
         self.unsent = unsent
         self.made: Callable[[], int] = lambda: 0
-        self._first = self._now = lookahead_samples(view, buffer_blocks, in_flight, reserved, stacklevel=4)
+        self._first = self._now = lookahead_samples(view, buffer_blocks, in_flight, reserved, unsent, stacklevel=4)
         self._measured = time.monotonic()
 
     def __call__(self) -> int:
         """Samples to advise ahead now."""
         if self.view.streaming and time.monotonic() - self._measured >= REMEASURE_S:
             to_come = max(0, self.reserved - self.made() - self.unsent)
-            self._now = min(self._first, lookahead_samples(self.view, self.buffer_blocks, self.in_flight, to_come))
+            self._now = min(self._first, lookahead_samples(self.view, self.buffer_blocks, self.in_flight, to_come,
+                                                           self.unsent))
             self._measured = time.monotonic()
         return self._now

@@ -55,8 +55,9 @@ def test_measured_when_made_then_again_as_it_streams_never_above_the_first(large
     readings: list[int] = []
     free = reserved + round((window + 20 * record) / STREAM_SHARE)
 
-    def measured() -> int:
-        readings.append(free)
+    def measured(mapped_held: bool = False) -> int:  # nothing mapped; each reading asks twice
+        if not mapped_held:
+            readings.append(free)
         return free
 
     monkeypatch.setattr(reader.lookahead, "free_memory", measured)
@@ -75,8 +76,8 @@ def test_measured_when_made_then_again_as_it_streams_never_above_the_first(large
     assert lookahead() == lookahead_samples(view, 16, 8) and 0 < lookahead() < first
     free = int(window / STREAM_SHARE) - 3  # not a window
     monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
-    with pytest.warns(RuntimeWarning, match=r"memory free for the page cache \(\d+ MiB with the loader.s "
-                      "batch buffers made"):
+    with pytest.warns(RuntimeWarning, match=r"room for this streamed dataset's blocks \(\d+ MiB: 0.4 of the \d+ "
+                      "MiB free with the loader.s batch buffers made"):
         assert lookahead() == 0
     free = 100 * shard_bytes
     assert lookahead() == first
@@ -86,7 +87,7 @@ def test_a_dataset_that_is_not_streamed_is_measured_once(large_records, monkeypa
     view = streamed(large_records)
     view.streaming = False
     monkeypatch.setattr(reader.lookahead, "REMEASURE_S", 0.0)
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: pytest.fail("measured"))
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: pytest.fail("measured"))
     lookahead = Lookahead(view, 16, 8, 1 << 30, 1 << 29)
     assert lookahead() == lookahead() == round(LOOKAHEAD_WINDOWS * 16)
 
@@ -157,13 +158,14 @@ def test_the_loader_s_lookahead_counts_the_buffers_made(large_records, monkeypat
     """make_loader's stream gets a ``Lookahead``, measured when the loader is made with all its batch
     buffers set aside, which learns from the loader which of them exist (the slots its batches came
     back in), without a reference to it."""
-    readings: list[int] = []
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: readings.append(1 << 40) or 1 << 40)
+    readings: list[bool] = []
+    monkeypatch.setattr(reader.lookahead, "free_memory",
+                        lambda mapped_held=False: readings.append(mapped_held) or 1 << 40)
     monkeypatch.setattr(reader.loader, "cache_room", lambda to_come: 1)  # streamed
     ds = PackedDataset(large_records, block_bytes=1)
     loader = make_loader(ds, 8, num_workers=2, pin_memory=False, multiprocessing_context="fork")
     lookahead = loader.batch_sampler.lookahead
-    assert loader.view.streaming and isinstance(lookahead, Lookahead) and len(readings) == 1
+    assert loader.view.streaming and isinstance(lookahead, Lookahead) and readings == [False, True]
     slot = ds.batch_bytes(8) + TRAILER  # every full batch has that size: no headroom
     assert lookahead.made() == 0 and lookahead.unsent == 2 * slot
     labels = [label for _, batch_labels in loader for label in batch_labels.tolist()]

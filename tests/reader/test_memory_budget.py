@@ -56,8 +56,8 @@ def test_v2_takes_the_tightest_limit_up_the_tree(tmp_path):
 
 
 def test_free_memory_is_the_limit_less_what_reclaim_cannot_take(tmp_path):
-    """All a group is charged for but its file cache counts as held (shared memory stays held), at every
-    level with a limit: a job's limit also covers its other tasks' groups."""
+    """All a group is charged for but its file cache counts as held (shared memory stays held, and mapped
+    files where asked), at every level with a limit: a job's limit also covers its other tasks' groups."""
     meminfo = tmp_path / "meminfo"
     write(meminfo, f"MemTotal: {64 << 20} kB\nMemAvailable: {48 << 20} kB\n")  # 48 GiB available
     write(tmp_path / "proc", "4:memory:/job/task\n0::/\n")  # v1
@@ -70,6 +70,14 @@ def test_free_memory_is_the_limit_less_what_reclaim_cannot_take(tmp_path):
     write(tmp_path / "cg/memory/memory.stat", f"hierarchical_memory_limit {NO_LIMIT_V1}\n")
     # the task holds 1200 - 500 + 300 = 1000 MiB, the job 2200 MiB: the job's term is the least
     assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (3 << 30) - (2200 << 20)
+    # with mapped files held, those beyond the shared memory (mapped too) count: the job's 400 MiB, 100 more
+    write(tmp_path / "cg/memory/job/memory.stat", f"hierarchical_memory_limit {3 << 30}\ntotal_cache {600 << 20}\n"
+                                                  f"total_shmem {300 << 20}\ntotal_mapped_file {400 << 20}\n")
+    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (3 << 30) - (2200 << 20)
+    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo, mapped_held=True) == (3 << 30) - (2300 << 20)
+    write(tmp_path / "cg/memory/job/memory.stat", f"hierarchical_memory_limit {3 << 30}\ntotal_cache {600 << 20}\n"
+                                                  f"total_shmem {300 << 20}\ntotal_mapped_file {200 << 20}\n")
+    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo, mapped_held=True) == (3 << 30) - (2200 << 20)
     write(tmp_path / "proc", "0::/pod/container\n")  # v2
     write(tmp_path / "cg/pod/container/memory.max", "max\n")
     write(tmp_path / "cg/pod/container/memory.current", f"{6 << 30}\n")
@@ -78,6 +86,11 @@ def test_free_memory_is_the_limit_less_what_reclaim_cannot_take(tmp_path):
     write(tmp_path / "cg/pod/memory.current", f"{7 << 30}\n")  # 1 GiB file cache of which 512 MiB shared memory
     write(tmp_path / "cg/pod/memory.stat", f"anon {5 << 30}\nkernel {1 << 29}\nfile {1 << 30}\nshmem {1 << 29}\n")
     assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (8 << 30) - (6 << 30) - (1 << 29)
+    write(tmp_path / "cg/pod/memory.stat", f"anon {5 << 30}\nkernel {1 << 29}\nfile {1 << 30}\nshmem {1 << 29}\n"
+                                           f"file_mapped {3 << 28}\n")  # 768 MiB mapped: 256 MiB beyond shmem
+    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (8 << 30) - (6 << 30) - (1 << 29)
+    held = (6 << 30) + (3 << 28)  # beyond the file cache: anon, kernel, shmem and the files mapped beyond it
+    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo, mapped_held=True) == (8 << 30) - held
     write(tmp_path / "cg/pod/memory.max", "max\n")  # no limit: the machine's available memory
     assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == 48 << 30
     write(tmp_path / "cg/pod/memory.max", f"{4 << 30}\n")  # over the limit: nothing free, never negative

@@ -23,7 +23,7 @@ import reader.lookahead
 import reader.mapped_copy
 import reader.shard_io
 from reader import PackedDataset, make_loader
-from reader.batch_memory import pool_bytes
+from reader.batch_memory import pool_bytes, slot_size
 from reader.lookahead import LOOKAHEAD_WINDOWS, STREAM_SHARE, lookahead_samples
 from reader.packed_view import PackedView
 from reader.shard_io import MAX_READAHEAD_BLOCKS
@@ -301,12 +301,12 @@ def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypa
         reserved = pool_bytes(2, 1, ds.batch_bytes(BATCH), pinned=False, exact=True)
         total = ds.manifest.total_bytes
         monkeypatch.setattr(reader.lookahead, "free_memory",
-                            lambda: reserved + round((total + total // 4) / STREAM_SHARE))
+                            lambda mapped_held=False: reserved + round((total + total // 4) / STREAM_SHARE))
         streaming, indices, found = dropped_as_received(ds)
     else:  # no memory free for the page cache: no advice ahead, and a warning says why
-        monkeypatch.setattr(reader.lookahead, "free_memory", lambda: 0)
+        monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: 0)
         monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
-        with pytest.warns(RuntimeWarning, match="memory free for the page cache"):
+        with pytest.warns(RuntimeWarning, match="room for this streamed dataset's blocks"):
             streaming, indices, found = dropped_as_received(ds)
     assert streaming and indices == list(range(COUNT))
     # The kernel may read a page or two back around a later block's advice (large folios), so allow two.
@@ -317,8 +317,9 @@ def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypa
 
 def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, monkeypatch):
     """The window the workers read, the samples they were given and the blocks advised ahead fit in a
-    ``STREAM_SHARE`` of the memory free once the loader's batch buffers are set aside; where not even
-    a window fits, nothing is advised ahead and a warning names the sizes and what to change."""
+    ``STREAM_SHARE`` of the memory free once the loader's batch buffers are set aside, and in what the
+    files the processes map and a batch slot per worker leave of it; where not even a window fits,
+    nothing is advised ahead and a warning names the sizes and what to change."""
     ds = PackedDataset(packed.path, block_bytes=1)  # the smallest blocks: one record each
     shard_bytes = ds.manifest.total_bytes
     blocks = ds.block_starts().size
@@ -327,7 +328,7 @@ def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, mon
     monkeypatch.setattr(reader.loader, "cache_room", lambda to_come: shard_bytes // 4)  # streamed
     reserved = pool_bytes(2, 1, ds.batch_bytes(4), pinned=False, exact=True)  # 2 workers, prefetch 1
     free = reserved + round((window + 20 * shard_bytes // len(ds)) / STREAM_SHARE)
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: free)
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: free)
     loader = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
     assert loader.view.streaming
     room = (int((free - reserved) * STREAM_SHARE) - window) * len(ds) // shard_bytes - 2 * 1 * 4
@@ -338,13 +339,23 @@ def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, mon
     monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
     with pytest.warns(RuntimeWarning, match="for each of 2 ranks on this node"):  # not a window each now
         assert lookahead_samples(loader.view, 16, 8, reserved) == 0
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: 2 * free)
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: 2 * free)
     assert lookahead_samples(loader.view, 16, 8, reserved) == room
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda: reserved + window)
+    # files mapped (libraries) beyond the shared memory: the room is what they and a slot a worker leave
+    slot = slot_size(ds.batch_bytes(4), exact=True)
+    record = shard_bytes // len(ds)
+    unmapped = window + 10 * record
+    mapped = free - reserved - 2 * slot - unmapped
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: free - mapped * mapped_held)
+    assert lookahead_samples(loader.view, 16, 8, reserved, 2 * slot) == (unmapped - window) * len(ds) // shard_bytes - 8
+    assert make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False,
+                       ).batch_sampler.lookahead.unsent == 2 * slot  # the loader passes a slot a worker
+    monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: reserved + window)
     monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
-    with pytest.warns(RuntimeWarning, match=r"under 2.5 read windows of this streamed dataset .*buffer_blocks x "
-                      r"block_bytes.*PackedDataset\(block_bytes=\.\.\.\)") as caught:
+    with pytest.warns(RuntimeWarning, match=r"room for this streamed dataset's blocks \(0 MiB: 0.4 of the 0 MiB free "
+                      r".*under one read window \(0 MiB: buffer_blocks x block_bytes\).*"
+                      r"PackedDataset\(block_bytes=\.\.\.\)") as caught:
         starved = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
     assert caught[0].filename == __file__  # it points at the make_loader call
     with warnings.catch_warnings():
