@@ -4,8 +4,8 @@ About one and a half windows of quasi-random blocks (``LOOKAHEAD_WINDOWS``), so 
 next window while the workers decode the current one. A streamed loader (a dataset larger than the
 page cache, ``reader.shard_io``) advises less where memory is short: the window being read, the batches
 in flight and the blocks advised ahead must fit in ``STREAM_SHARE`` (two fifths) of the memory free for
-the page cache, and in what is left of it beyond the files the processes map and a batch slot per
-worker (``lookahead_samples`` says why).
+the page cache, and in what is left of it beyond the files the processes map (under a memory
+cgroup's limit) and a batch slot per worker (``lookahead_samples`` says why).
 
 When that is measured (``Lookahead``): first when the loader is made, before its workers exist, with
 its batch buffers set aside; then again every ``REMEASURE_S`` seconds while it streams, since a job's
@@ -26,7 +26,7 @@ from typing import Callable
 
 from torch.utils.data import Dataset
 
-from reader.memory_budget import free_memory
+from reader.memory_budget import measure_free_memory
 from reader.packed_view import PackedView, as_view
 from reader.ranks import ranks_on_this_node
 
@@ -48,10 +48,11 @@ def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, 
     """``LOOKAHEAD_WINDOWS`` windows of ``buffer_blocks`` of the dataset's blocks, in samples; for a
     streamed view (``PackedView.streaming``) at most what keeps the window the workers read, the
     ``in_flight`` samples they were given and the blocks advised ahead within the *room* for blocks:
-    ``STREAM_SHARE`` of the memory free for the page cache now (``free_memory``) once ``reserved``
-    bytes (batch buffers the loader is about to make) are set aside, and no more than what is left of
-    it beyond the files the processes map and ``margin`` bytes (``Lookahead`` passes a batch slot per
-    worker); each rank on this node (``ranks_on_this_node``) counted with its own buffers and share.
+    ``STREAM_SHARE`` of the memory free for the page cache now (``measure_free_memory``) once
+    ``reserved`` bytes (batch buffers the loader is about to make) are set aside, and no more than what
+    is left of it beyond the files the processes map (where a memory cgroup sets a limit) less
+    ``margin`` bytes of slack (``Lookahead`` passes a batch slot per worker); each rank on this node
+    (``ranks_on_this_node``) counted with its own buffers, share and slack.
     Where that room does not hold even one window, a ``RuntimeWarning`` says so and what to change,
     once a process (a loader made each epoch would repeat it), with ``stacklevel`` as
     ``warnings.warn`` takes it.
@@ -70,15 +71,17 @@ def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, 
     was allowed, more than is free where the loader's own batch slots or a CUDA process take most of it.)
 
     Why the second bound: under a cap, reclaim takes blocks read ahead and not yet read before the
-    pages of the libraries the processes map (``free_memory``'s ``mapped_held``), and a worker that
-    finds no free batch slot makes one (38.5 MB for 256 images of 224x224) whenever it must, at the
-    cap. Where the free memory is small, two fifths of it left less than those two: the 24,000 JPEG
-    records (357 MB) under a 600 MB cap, 72-92 MB mapped and about 170 MB free once the slots are set
-    aside, read their first epoch at 1.16-1.53x the disk's time and a later one at 1.71x, each time
-    reading back blocks evicted before they were read; with the bound, which leaves nothing ahead
-    there, 1.10-1.12x and then 1.00-1.01x (``scripts/bench_cold.py --mem 600M``, same runs). Where
-    memory is not that short the share is the smaller: the 1.4 GB set under 900 MB (465 MB free,
-    about 300 MB beyond the files and slots) advises as before.
+    pages of the libraries the processes map (``measure_free_memory``'s ``beyond_mapped``), and a
+    worker that finds no free batch slot makes one (38.5 MB for 256 images of 224x224) whenever it
+    must, at the cap. The three fifths that the share leaves cover both where memory is plenty, but
+    not where it is short: the 24,000 JPEG records (357 MB) under a 600 MB cap, with 150-170 MB free
+    once the slots are set aside, of which the mapped libraries take 71-92 MB, read their first epoch
+    at 1.16-1.53x the disk's time and a later one at 1.37-1.71x, reading back blocks evicted before
+    they were read; with the bound, which leaves nothing ahead there, 1.02-1.12x in the first epoch
+    over 25 readings and 0.98-1.03x after, but once 1.59x (BENCHMARKS.md, "Some runs are slower, and
+    why"). Where memory is not that short the share is the smaller bound: the same records under
+    700 MB (250-270 MB free, 100-117 MB beyond the files and slots, 99-109 MB the share) and the 1.4 GB
+    set under 900 MB (465 MB free, about 300 MB beyond) advise as before.
     """
     global _warned_short_of_memory
     view = as_view(dataset)
@@ -87,8 +90,9 @@ def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, 
     if view.streaming:
         shard_bytes = max(view.shard_bytes(), 1)
         ranks = ranks_on_this_node()
-        free = (free_memory() - ranks * reserved) // ranks  # this rank's part
-        unmapped = (free_memory(mapped_held=True) - ranks * reserved) // ranks - margin
+        reading = measure_free_memory()
+        free = (reading.total - ranks * reserved) // ranks  # this rank's part
+        unmapped = (reading.beyond_mapped - ranks * reserved) // ranks - margin
         window = shard_bytes * min(buffer_blocks, blocks) // blocks
         share = max(0, min(int(free * STREAM_SHARE), unmapped))
         if share < window and not _warned_short_of_memory:
@@ -97,8 +101,9 @@ def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, 
                     if reserved else "with the loader's batch buffers made")
             warnings.warn(
                 f"make_loader: the page cache's room for this streamed dataset's blocks ({share >> 20} MiB: "
-                f"{STREAM_SHARE:g} of the {max(free, 0) >> 20} MiB free {held}, and no more than what the "
-                f"files the processes map and a batch slot per worker leave"
+                f"{STREAM_SHARE:g} of the {max(free, 0) >> 20} MiB free {held}, and no more than the "
+                f"{max(unmapped, 0) >> 20} MiB that the files the processes map and a batch slot per worker "
+                "leave"
                 f"{f', for each of {ranks} ranks on this node' if ranks > 1 else ''}) is under one read "
                 f"window ({window >> 20} MiB: buffer_blocks x block_bytes): "
                 "blocks read ahead will be evicted before they are read, and read again. Give the job "
@@ -116,9 +121,9 @@ class Lookahead:
     ``REMEASURE_S`` seconds as it is asked for, never above the first reading (module docstring). A
     later reading sets aside ``reserved`` less what ``made()`` says exists (the loader's
     ``buffer_bytes_made``: the slots batches came back in) and less ``unsent``, the slots the workers
-    may have made that no batch has come back in yet. Every reading also keeps ``unsent`` free beyond
-    the files the processes map (``lookahead_samples``' ``margin``): the slot a worker may have to make
-    before the next reading."""
+    may have made that no batch has come back in yet. Every reading also keeps a batch slot per worker
+    (``unsent`` is that much) of slack beyond the files the processes map (``lookahead_samples``'
+    ``margin``): a worker makes a slot wherever it finds none free, whatever the reckoning expects."""
 
     def __init__(self, view: PackedView, buffer_blocks: int, in_flight: int, reserved: int,
                  unsent: int = 0) -> None:

@@ -13,18 +13,20 @@ and workers of the loaders about to start on this node, is less than that. A loa
 larger than this streams it (``reader.loader``): each block's pages are dropped once read, so that the
 cache holds the blocks read ahead, not the ones already consumed.
 
-How far ahead a streamed loader may read is measured rather than assumed (``free_memory``): what the
-group can still give the page cache now, its limit less the memory that reclaim cannot take back
-(the processes' own memory, shared-memory batches, pinned buffers, a CUDA context). A fixed share
-of the limit overshoots where those take most of it: the blocks read ahead are then evicted before
-they are read, and every record is read again on its own at the disk's IOPS.
+How far ahead a streamed loader may read is measured rather than assumed (``measure_free_memory``):
+what the group can still give the page cache now, its limit less the memory that reclaim cannot take
+back (the processes' own memory, shared-memory batches, pinned buffers, a CUDA context), and what is
+left of that beyond the files the processes map, whose pages reclaim keeps while it takes blocks read
+ahead (``reader.lookahead`` uses both). A fixed share of the limit overshoots where those take most of
+it: the blocks read ahead are then evicted before they are read, and every record is read again on
+its own at the disk's IOPS.
 """
 from __future__ import annotations
 
 import functools
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 MEMINFO = Path("/proc/meminfo")
@@ -85,31 +87,48 @@ def cgroup_memory_limit(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Pat
     return min(limits) if limits else None
 
 
-def free_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT,
-                meminfo: Path = MEMINFO, mapped_held: bool = False) -> int:
-    """Bytes the page cache can still take for this process now, measured on each call.
+class FreeMemory(NamedTuple):
+    """One reading of the memory free for the page cache (``measure_free_memory``), in bytes."""
 
-    The least, over this process's memory group and each ancestor that has a limit, of that limit less
-    the memory the group holds that reclaim cannot take back: all it is charged for but its file cache,
-    shared memory kept (the processes' own memory, pinned buffers, a CUDA context, batch slots in
-    shared memory, kernel memory: v2 ``memory.current`` - ``file`` + ``shmem``, v1
+    total: int  # what the page cache can still take (``free_memory``)
+    beyond_mapped: int  # the same, with the file pages the processes map counted as held
+
+
+def free_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT,
+                meminfo: Path = MEMINFO) -> int:
+    """Bytes the page cache can still take for this process now: ``measure_free_memory``'s ``total``."""
+    return measure_free_memory(proc_cgroup, root, meminfo).total
+
+
+def measure_free_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT,
+                        meminfo: Path = MEMINFO) -> FreeMemory:
+    """The memory the page cache can still take for this process now, measured on each call.
+
+    ``total``: the least, over this process's memory group and each ancestor that has a limit, of that
+    limit less the memory the group holds that reclaim cannot take back: all it is charged for but its
+    file cache, shared memory kept (the processes' own memory, pinned buffers, a CUDA context, batch
+    slots in shared memory, kernel memory: v2 ``memory.current`` - ``file`` + ``shmem``, v1
     ``memory.usage_in_bytes`` - ``total_cache`` + ``total_shmem``). Each ancestor is its own term:
     under a Slurm job's limit, the other tasks' groups hold memory too. And the machine's
     ``MemAvailable``, which bounds it where no group sets a limit. Never below 0.
 
-    ``mapped_held``: the file pages the group's processes map count as held too, beyond its shared
-    memory (mapped as well where batch slots are: v2 ``file_mapped``, v1 ``total_mapped_file``).
-    Reclaim can take them, but gives a mapped page used since its last pass another round while it
-    takes a page nobody has read yet: under a cap, blocks read ahead go before the code of torch and
-    the other libraries (71-92 MB mapped beyond the batch slots in a loader's processes on this
-    project's 2-core machine). ``reader.lookahead`` bounds a streamed loader's blocks so.
+    ``beyond_mapped``: the same, each group's term also less the file pages its processes map beyond
+    its shared memory (mapped as well where batch slots are: v2 ``file_mapped``, v1
+    ``total_mapped_file``); where no group sets a limit, ``MemAvailable`` as for ``total``. Reclaim can
+    take those pages, but gives a mapped page used since its last pass another round while it takes a
+    page nobody has read yet: under a cap, blocks read ahead go before the code of torch and the other
+    libraries (71-92 MB mapped beyond the batch slots in a loader's processes on this project's 2-core
+    machine: BENCHMARKS.md, "Some runs are slower, and why").
     """
-    free = [_mem_available(meminfo)]
+    available = _mem_available(meminfo)
+    total, beyond_mapped = [available], [available]
     for group, v1 in _memory_groups(proc_cgroup, root):
         stat = _stat(group) if v1 else {}  # v1 keeps its limit there: read once for both
         for limit in _limit(group, v1, stat):
-            free.append(limit - _held(group, v1, stat if v1 else _stat(group), mapped_held))
-    return max(0, min(free))
+            held, mapped = _held(group, v1, stat if v1 else _stat(group))
+            total.append(limit - held)
+            beyond_mapped.append(limit - held - mapped)
+    return FreeMemory(max(0, min(total)), max(0, min(beyond_mapped)))
 
 
 def _memory_groups(proc_cgroup: Path, root: Path) -> Iterator[tuple[Path, bool]]:
@@ -149,19 +168,20 @@ def _limit(group: Path, v1: bool, stat: dict[str, str]) -> list[int]:
     return [int(text)] if text.isdigit() and 0 < int(text) < 1 << 60 else []
 
 
-def _held(group: Path, v1: bool, stat: dict[str, str], mapped_held: bool = False) -> int:
-    """What ``group`` is charged for that reclaim cannot take back (``free_memory``), with the files
-    its processes map where ``mapped_held``, its ``memory.stat`` being ``stat``; 0 where unknown."""
+def _held(group: Path, v1: bool, stat: dict[str, str]) -> tuple[int, int]:
+    """What ``group`` is charged for that reclaim cannot take back (``measure_free_memory``), and the
+    file pages its processes map beyond its shared memory, its ``memory.stat`` being ``stat``; 0 for
+    what is unknown."""
     usage, cache, shmem, mapped = (("memory.usage_in_bytes", "total_cache", "total_shmem", "total_mapped_file") if v1
                                    else ("memory.current", "file", "shmem", "file_mapped"))
     if not stat:
-        return 0
+        return 0, 0
     try:
         shared = int(stat.get(shmem, 0))
-        files = max(0, int(stat.get(mapped, 0)) - shared) if mapped_held else 0  # shared memory counted once
-        return int((group / usage).read_text()) - int(stat.get(cache, 0)) + shared + files
+        files = max(0, int(stat.get(mapped, 0)) - shared)  # the mapped count includes shared memory mapped
+        return int((group / usage).read_text()) - int(stat.get(cache, 0)) + shared, files
     except (OSError, ValueError):
-        return 0
+        return 0, 0
 
 
 def _stat(group: Path) -> dict[str, str]:

@@ -21,7 +21,7 @@ import reader.lookahead
 from reader import PackedDataset, make_loader
 from reader.batch_memory import TRAILER
 from reader.lookahead import LOOKAHEAD_WINDOWS, STREAM_SHARE, Lookahead, lookahead_samples
-from reader.memory_budget import FORKED_WORKER_BYTES
+from reader.memory_budget import FORKED_WORKER_BYTES, FreeMemory
 from reader.packed_view import PackedView
 
 TIMEOUT_S = 60
@@ -55,12 +55,11 @@ def test_measured_when_made_then_again_as_it_streams_never_above_the_first(large
     readings: list[int] = []
     free = reserved + round((window + 20 * record) / STREAM_SHARE)
 
-    def measured(mapped_held: bool = False) -> int:  # nothing mapped; each reading asks twice
-        if not mapped_held:
-            readings.append(free)
-        return free
+    def measured() -> FreeMemory:  # no files mapped
+        readings.append(free)
+        return FreeMemory(free, free)
 
-    monkeypatch.setattr(reader.lookahead, "free_memory", measured)
+    monkeypatch.setattr(reader.lookahead, "measure_free_memory", measured)
     lookahead = Lookahead(view, 16, 8, reserved, unsent)
     first = lookahead()
     assert first == lookahead_samples(view, 16, 8, reserved) and 0 < first < round(LOOKAHEAD_WINDOWS * 16)
@@ -83,11 +82,32 @@ def test_measured_when_made_then_again_as_it_streams_never_above_the_first(large
     assert lookahead() == first
 
 
+def test_every_reading_keeps_a_slot_per_worker_beyond_the_mapped_files(large_records, monkeypatch):
+    """Where the files the processes map leave less than the share, each reading, the first and the
+    later ones, bounds the blocks by what they leave less a batch slot per worker (``unsent``)."""
+    view = streamed(large_records)
+    record = view.shard_bytes() // RECORDS
+    window = view.shard_bytes() * 16 // RECORDS
+    reserved, unsent = 50 * record, 10 * record
+    free = reserved + round((window + 20 * record) / STREAM_SHARE)
+    beyond = reserved + unsent + window + 12 * record  # under the share once the slack is kept
+    monkeypatch.setattr(reader.lookahead, "measure_free_memory", lambda: FreeMemory(free, beyond))
+    lookahead = Lookahead(view, 16, 8, reserved, unsent)
+    first = lookahead()
+    assert first == lookahead_samples(view, 16, 8, reserved, unsent) == 12 * RECORDS * record // view.shard_bytes() - 8
+    assert first < lookahead_samples(view, 16, 8, reserved)  # without the slack, more
+    monkeypatch.setattr(reader.lookahead, "REMEASURE_S", 0.0)
+    lookahead.made = lambda: reserved  # all made: later readings set nothing aside, but keep the slack
+    free, beyond = free - reserved, beyond - reserved - 4 * record
+    fewer = first - 4 * RECORDS * record // view.shard_bytes()
+    assert lookahead() == lookahead_samples(view, 16, 8, 0, unsent) == fewer
+
+
 def test_a_dataset_that_is_not_streamed_is_measured_once(large_records, monkeypatch):
     view = streamed(large_records)
     view.streaming = False
     monkeypatch.setattr(reader.lookahead, "REMEASURE_S", 0.0)
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: pytest.fail("measured"))
+    monkeypatch.setattr(reader.lookahead, "measure_free_memory", lambda: pytest.fail("measured"))
     lookahead = Lookahead(view, 16, 8, 1 << 30, 1 << 29)
     assert lookahead() == lookahead() == round(LOOKAHEAD_WINDOWS * 16)
 
@@ -158,14 +178,14 @@ def test_the_loader_s_lookahead_counts_the_buffers_made(large_records, monkeypat
     """make_loader's stream gets a ``Lookahead``, measured when the loader is made with all its batch
     buffers set aside, which learns from the loader which of them exist (the slots its batches came
     back in), without a reference to it."""
-    readings: list[bool] = []
-    monkeypatch.setattr(reader.lookahead, "free_memory",
-                        lambda mapped_held=False: readings.append(mapped_held) or 1 << 40)
+    readings: list[int] = []
+    monkeypatch.setattr(reader.lookahead, "measure_free_memory",
+                        lambda: readings.append(1 << 40) or FreeMemory(1 << 40, 1 << 40))
     monkeypatch.setattr(reader.loader, "cache_room", lambda to_come: 1)  # streamed
     ds = PackedDataset(large_records, block_bytes=1)
     loader = make_loader(ds, 8, num_workers=2, pin_memory=False, multiprocessing_context="fork")
     lookahead = loader.batch_sampler.lookahead
-    assert loader.view.streaming and isinstance(lookahead, Lookahead) and readings == [False, True]
+    assert loader.view.streaming and isinstance(lookahead, Lookahead) and len(readings) == 1
     slot = ds.batch_bytes(8) + TRAILER  # every full batch has that size: no headroom
     assert lookahead.made() == 0 and lookahead.unsent == 2 * slot
     labels = [label for _, batch_labels in loader for label in batch_labels.tolist()]

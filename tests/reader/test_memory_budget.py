@@ -23,6 +23,7 @@ from reader.memory_budget import (
     STARTED_WORKER_BYTES,
     cgroup_memory_limit,
     free_memory,
+    measure_free_memory,
     page_cache_budget,
     worker_bytes,
 )
@@ -70,14 +71,15 @@ def test_free_memory_is_the_limit_less_what_reclaim_cannot_take(tmp_path):
     write(tmp_path / "cg/memory/memory.stat", f"hierarchical_memory_limit {NO_LIMIT_V1}\n")
     # the task holds 1200 - 500 + 300 = 1000 MiB, the job 2200 MiB: the job's term is the least
     assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (3 << 30) - (2200 << 20)
-    # with mapped files held, those beyond the shared memory (mapped too) count: the job's 400 MiB, 100 more
+    # beyond the mapped files: those beyond the shared memory (mapped too) count as held, the job's 100 MiB
     write(tmp_path / "cg/memory/job/memory.stat", f"hierarchical_memory_limit {3 << 30}\ntotal_cache {600 << 20}\n"
                                                   f"total_shmem {300 << 20}\ntotal_mapped_file {400 << 20}\n")
     assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (3 << 30) - (2200 << 20)
-    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo, mapped_held=True) == (3 << 30) - (2300 << 20)
+    assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == ((3 << 30) - (2200 << 20),
+                                                                               (3 << 30) - (2300 << 20))
     write(tmp_path / "cg/memory/job/memory.stat", f"hierarchical_memory_limit {3 << 30}\ntotal_cache {600 << 20}\n"
                                                   f"total_shmem {300 << 20}\ntotal_mapped_file {200 << 20}\n")
-    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo, mapped_held=True) == (3 << 30) - (2200 << 20)
+    assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo).beyond_mapped == (3 << 30) - (2200 << 20)
     write(tmp_path / "proc", "0::/pod/container\n")  # v2
     write(tmp_path / "cg/pod/container/memory.max", "max\n")
     write(tmp_path / "cg/pod/container/memory.current", f"{6 << 30}\n")
@@ -89,11 +91,12 @@ def test_free_memory_is_the_limit_less_what_reclaim_cannot_take(tmp_path):
     write(tmp_path / "cg/pod/memory.stat", f"anon {5 << 30}\nkernel {1 << 29}\nfile {1 << 30}\nshmem {1 << 29}\n"
                                            f"file_mapped {3 << 28}\n")  # 768 MiB mapped: 256 MiB beyond shmem
     assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (8 << 30) - (6 << 30) - (1 << 29)
-    held = (6 << 30) + (3 << 28)  # beyond the file cache: anon, kernel, shmem and the files mapped beyond it
-    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo, mapped_held=True) == (8 << 30) - held
-    write(tmp_path / "cg/pod/memory.max", "max\n")  # no limit: the machine's available memory
-    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == 48 << 30
+    held = (6 << 30) + (3 << 28)  # memory.current less file, plus shmem, plus the 256 MiB mapped beyond it
+    assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo).beyond_mapped == (8 << 30) - held
+    write(tmp_path / "cg/pod/memory.max", "max\n")  # no limit: the machine's available memory, for both
+    assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (48 << 30, 48 << 30)
     write(tmp_path / "cg/pod/memory.max", f"{4 << 30}\n")  # over the limit: nothing free, never negative
+    assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (0, 0)
     assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == 0
 
 

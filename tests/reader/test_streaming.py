@@ -25,6 +25,7 @@ import reader.shard_io
 from reader import PackedDataset, make_loader
 from reader.batch_memory import pool_bytes, slot_size
 from reader.lookahead import LOOKAHEAD_WINDOWS, STREAM_SHARE, lookahead_samples
+from reader.memory_budget import FreeMemory
 from reader.packed_view import PackedView
 from reader.shard_io import MAX_READAHEAD_BLOCKS
 from reader.streamed_blocks import StreamedBlocks, StreamPosition
@@ -300,11 +301,11 @@ def test_a_loader_streams_only_a_dataset_larger_than_the_budget(packed, monkeypa
     if budget_share:  # room to advise a quarter of the set beyond the window (the whole set here)
         reserved = pool_bytes(2, 1, ds.batch_bytes(BATCH), pinned=False, exact=True)
         total = ds.manifest.total_bytes
-        monkeypatch.setattr(reader.lookahead, "free_memory",
-                            lambda mapped_held=False: reserved + round((total + total // 4) / STREAM_SHARE))
+        free = reserved + round((total + total // 4) / STREAM_SHARE)
+        monkeypatch.setattr(reader.lookahead, "measure_free_memory", lambda: FreeMemory(free, free))
         streaming, indices, found = dropped_as_received(ds)
     else:  # no memory free for the page cache: no advice ahead, and a warning says why
-        monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: 0)
+        monkeypatch.setattr(reader.lookahead, "measure_free_memory", lambda: FreeMemory(0, 0))
         monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
         with pytest.warns(RuntimeWarning, match="room for this streamed dataset's blocks"):
             streaming, indices, found = dropped_as_received(ds)
@@ -328,7 +329,7 @@ def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, mon
     monkeypatch.setattr(reader.loader, "cache_room", lambda to_come: shard_bytes // 4)  # streamed
     reserved = pool_bytes(2, 1, ds.batch_bytes(4), pinned=False, exact=True)  # 2 workers, prefetch 1
     free = reserved + round((window + 20 * shard_bytes // len(ds)) / STREAM_SHARE)
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: free)
+    monkeypatch.setattr(reader.lookahead, "measure_free_memory", lambda: FreeMemory(free, free))
     loader = make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False)
     assert loader.view.streaming
     room = (int((free - reserved) * STREAM_SHARE) - window) * len(ds) // shard_bytes - 2 * 1 * 4
@@ -339,19 +340,29 @@ def test_a_streamed_loader_advises_within_a_share_of_the_free_memory(packed, mon
     monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
     with pytest.warns(RuntimeWarning, match="for each of 2 ranks on this node"):  # not a window each now
         assert lookahead_samples(loader.view, 16, 8, reserved) == 0
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: 2 * free)
+    monkeypatch.setattr(reader.lookahead, "measure_free_memory", lambda: FreeMemory(2 * free, 2 * free))
     assert lookahead_samples(loader.view, 16, 8, reserved) == room
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    # files mapped (libraries) beyond the shared memory: the room is what they and a slot a worker leave
+    # files mapped (libraries) beyond the shared memory: the room is what they leave, less a slot a worker
     slot = slot_size(ds.batch_bytes(4), exact=True)
     record = shard_bytes // len(ds)
     unmapped = window + 10 * record
-    mapped = free - reserved - 2 * slot - unmapped
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: free - mapped * mapped_held)
+    beyond = reserved + 2 * slot + unmapped
+    monkeypatch.setattr(reader.lookahead, "measure_free_memory", lambda: FreeMemory(free, beyond))
     assert lookahead_samples(loader.view, 16, 8, reserved, 2 * slot) == (unmapped - window) * len(ds) // shard_bytes - 8
-    assert make_loader(ds, 4, num_workers=2, buffer_blocks=16, prefetch_factor=1, pin_memory=False,
-                       ).batch_sampler.lookahead.unsent == 2 * slot  # the loader passes a slot a worker
-    monkeypatch.setattr(reader.lookahead, "free_memory", lambda mapped_held=False: reserved + window)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # each rank its part of the memory, and its own slack
+    monkeypatch.setattr(reader.lookahead, "measure_free_memory", lambda: FreeMemory(2 * free, 2 * beyond))
+    assert lookahead_samples(loader.view, 16, 8, reserved, 2 * slot) == (unmapped - window) * len(ds) // shard_bytes - 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    # the share holds a window, what the mapped files and the slack leave does not: warned all the same
+    monkeypatch.setattr(reader.lookahead, "measure_free_memory",
+                        lambda: FreeMemory(free, reserved + 2 * slot + window // 2))
+    monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
+    with pytest.warns(RuntimeWarning, match=r"room for this streamed dataset's blocks \(0 MiB: 0.4 of the \d+ MiB free "
+                      r".*no more than the 0 MiB that the files the processes map and a batch slot per worker leave"):
+        assert lookahead_samples(loader.view, 16, 8, reserved, 2 * slot) == 0
+    starving = FreeMemory(reserved + window, reserved + window)
+    monkeypatch.setattr(reader.lookahead, "measure_free_memory", lambda: starving)
     monkeypatch.setattr(reader.lookahead, "_warned_short_of_memory", False)
     with pytest.warns(RuntimeWarning, match=r"room for this streamed dataset's blocks \(0 MiB: 0.4 of the 0 MiB free "
                       r".*under one read window \(0 MiB: buffer_blocks x block_bytes\).*"
