@@ -27,12 +27,20 @@ Three cases, picked per process:
   sends without a copy; nobody would tell the worker when a slot is free.
 
 A pool holds at most ``MAX_SLOTS`` buffers; past that (a consumer keeping many batches alive) batches
-get fresh memory, so memory stays bounded and nothing ever waits.
+get fresh memory, so memory stays bounded and nothing waits for long. A ``make_loader`` worker makes
+up to its batches in flight and one more slot at once (``enable_handoff``); beyond that it first waits
+up to ``SLOT_WAIT_S`` for a slot to come back. Why: under a memory cap a slot made mid-epoch (38.5 MB)
+is taken from the page cache, and the kernel then evicts blocks read ahead and not yet read, which
+are read back around the pages it kept, at the disk's IOPS (BENCHMARKS.md, "Some runs are slower, and
+why"); the slot that comes back a moment later (the main process frees a slot one batch late) costs
+nothing. Where the slot is needed for good (a consumer that keeps a batch longer), the worker waits
+once for that count and makes it.
 """
 from __future__ import annotations
 
 import math
 import os
+import time
 
 import numpy as np
 import torch
@@ -50,6 +58,10 @@ FREE, SENT, RECEIVED = 0, 1, 2
 _HEADROOM = 8  # slots for batches of varying size get 1/8 extra capacity, so slightly larger ones still fit
 # Slots a worker's pool holds beyond its batches in flight: the one it fills, one the main process holds.
 SLOTS_BEYOND_PREFETCH = 2
+# How long a worker with a slot for each batch in flight and one more waits for one to come back before
+# it makes another (module docstring), and how often it looks meanwhile.
+SLOT_WAIT_S = 0.5
+SLOT_POLL_S = 0.001
 
 
 class _Slot:
@@ -79,6 +91,7 @@ class _Pool:
         self.shared = shared
         self.slots: list[_Slot] = []
         self.full_batch: int | None = None  # the largest size ``reserve`` was told every batch has
+        self.made_at_once: int | None = None  # slots made without waiting for one first (None: no wait)
 
     def reserve(self, nbytes: int) -> None:
         """Make a slot for a full batch of ``nbytes`` (if no slot fits one yet). From then on, a new slot
@@ -90,11 +103,19 @@ class _Pool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A ``uint8 [nbytes]`` view of a free slot, or of fresh memory when the pool is full. A new slot
         is a full batch's size where ``reserve`` said so and ``nbytes`` fits it, else ``nbytes`` with
-        1/8 headroom."""
-        free = [slot for slot in self.slots if slot.is_free()]
-        fitting = [slot for slot in free if slot.capacity >= nbytes]
+        1/8 headroom. Past ``made_at_once`` slots, a new one is made only after ``SLOT_WAIT_S`` without
+        one coming back, and the next count then waits again (module docstring)."""
+        fitting = self._fitting(nbytes)
+        if not fitting and self.made_at_once is not None and self.made_at_once <= len(self.slots) < MAX_SLOTS:
+            deadline = time.monotonic() + SLOT_WAIT_S
+            while not fitting and time.monotonic() < deadline:
+                time.sleep(SLOT_POLL_S)
+                fitting = self._fitting(nbytes)
+            if not fitting:
+                self.made_at_once = len(self.slots) + 1
         if fitting:
             return min(fitting, key=lambda s: s.capacity).tensor[:nbytes]
+        free = [slot for slot in self.slots if slot.is_free()]
         if len(self.slots) >= MAX_SLOTS and free:
             self.slots.remove(free[0])
         if len(self.slots) < MAX_SLOTS:
@@ -102,6 +123,10 @@ class _Pool:
             self.slots.append(slot)
             return slot.tensor[:nbytes]
         return _fresh(nbytes, self.shared)
+
+    def _fitting(self, nbytes: int) -> list[_Slot]:
+        """The free slots that hold ``nbytes``."""
+        return [slot for slot in self.slots if slot.capacity >= nbytes and slot.is_free()]
 
 
 def pool_bytes(workers: int, prefetch: int, batch_bytes: int, pinned: bool, exact: bool = False) -> int:
@@ -150,8 +175,12 @@ def _this_pool() -> _Pool:
     return _pool
 
 
-def enable_handoff(worker_id: int, batch_nbytes: int | None = None) -> None:
+def enable_handoff(worker_id: int, batch_nbytes: int | None = None, prefetch: int | None = None) -> None:
     """``worker_init_fn``: this worker's batches go to a main process that runs ``SlotReleaser``.
+
+    With ``prefetch`` (the DataLoader's batches in flight a worker) the worker makes a slot for each
+    and one more (for the batch the main process holds) at once, and waits before it makes more
+    (``_Pool.take``).
 
     With ``batch_nbytes`` (a full batch's bytes, when every batch has the same size) the worker makes
     its first slot now, while it waits for its first indices: faulting in a 38 MB slot takes 35-50 ms,
@@ -161,6 +190,8 @@ def enable_handoff(worker_id: int, batch_nbytes: int | None = None) -> None:
     """
     global _handoff_pid
     _handoff_pid = os.getpid()
+    if prefetch is not None:
+        _this_pool().made_at_once = prefetch + SLOTS_BEYOND_PREFETCH - 1
     if batch_nbytes:
         _this_pool().reserve(batch_nbytes)
 

@@ -348,7 +348,7 @@ def make_loader(
         batch_sampler=BatchStream(sampler, batch_size, drop_last, advise=advise, lookahead=lookahead,
                                   read_tables=view.read_tables_ahead if advise else None, in_flight=in_flight),
         collate_fn=hand_over,
-        worker_init_fn=functools.partial(start_worker, batch_nbytes=batch_nbytes),
+        worker_init_fn=functools.partial(start_worker, batch_nbytes=batch_nbytes, prefetch=prefetch),
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=prefetch,
@@ -362,9 +362,10 @@ def make_loader(
     return loader
 
 
-def start_worker(worker_id: int, batch_nbytes: int | None = None) -> None:
+def start_worker(worker_id: int, batch_nbytes: int | None = None, prefetch: int | None = None) -> None:
     """``worker_init_fn`` of ``make_loader``: hand batches over (``enable_handoff``, which makes the
-    first batch slot now when every batch has ``batch_nbytes``), drop the pages read of a streamed
+    first batch slot now when every batch has ``batch_nbytes``, and makes slots beyond the ``prefetch``
+    batches in flight and one more only after a wait), drop the pages read of a streamed
     dataset (``PackedView.enter_worker``) and freeze the objects the worker starts with (``gc.freeze``).
 
     Why freeze: a worker starts with torch's ~170,000 objects (inherited under fork, imported under
@@ -375,7 +376,7 @@ def start_worker(worker_id: int, batch_nbytes: int | None = None) -> None:
 
     Also, at exit, wait for the data queue's feeder thread (``_join_queue_feeders``).
     """
-    enable_handoff(worker_id, batch_nbytes)
+    enable_handoff(worker_id, batch_nbytes, prefetch)
     info = torch.utils.data.get_worker_info()
     if info is not None and isinstance(info.dataset, PackedView):
         info.dataset.enter_worker()

@@ -123,7 +123,8 @@ class Lookahead:
     ``buffer_bytes_made``: the slots batches came back in) and less ``unsent``, the slots the workers
     may have made that no batch has come back in yet. Every reading also keeps a batch slot per worker
     (``unsent`` is that much) of slack beyond the files the processes map (``lookahead_samples``'
-    ``margin``): a worker makes a slot wherever it finds none free, whatever the reckoning expects."""
+    ``margin``): a worker still makes a slot where none comes back in time (``reader.batch_memory``),
+    whatever the reckoning expects."""
 
     def __init__(self, view: PackedView, buffer_blocks: int, in_flight: int, reserved: int,
                  unsent: int = 0) -> None:

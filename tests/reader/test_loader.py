@@ -272,10 +272,11 @@ def test_workers_make_their_first_slot_before_their_first_batch(raw_path, jpeg_p
     are made that size too (batches of other sizes get headroom)."""
     for path, room in ((raw_path, 0), (jpeg_path, STORE_ALIGNMENT)):  # JPEG: room to place the images
         loader = make_loader(PackedDataset(path), BATCH, num_workers=2)
-        assert loader.worker_init_fn.keywords == {"batch_nbytes": BATCH * 3 * 16 * 24 + room}
+        assert loader.worker_init_fn.keywords == {"batch_nbytes": BATCH * 3 * 16 * 24 + room, "prefetch": 2}
     mixed = pack_images(tmp_path / "mixed", make_images(6, [(16, 24), (12, 20)]), [0] * 6,
                         storage="lmdb", encoding="raw", records_per_shard=15).path
-    assert make_loader(PackedDataset(mixed), BATCH, num_workers=2).worker_init_fn.keywords == {"batch_nbytes": None}
+    keywords = make_loader(PackedDataset(mixed), BATCH, num_workers=2, prefetch_factor=3).worker_init_fn.keywords
+    assert keywords == {"batch_nbytes": None, "prefetch": 3}
     pool = batch_memory._Pool(shared=False)
     pool.reserve(1000)
     pool.reserve(900)  # fits the slot made already

@@ -3,6 +3,9 @@ and batches stay exact, including those the DataLoader holds back until their tu
 16 bytes into their slot (``reader.format.jpeg_decode``) as raw ones at its start."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from reader_helpers import make_images, pack_images
@@ -40,3 +43,46 @@ def test_known_slots_cross_by_name_and_batches_stay_exact(encoding, raw_path, jp
                 assert label == ds.targets[i] and torch.equal(image, ds[i][0])
     assert "_SlotView" in kinds
     assert kinds.count("_SlotView") > kinds.count("Tensor")
+
+
+def test_past_its_batches_in_flight_a_pool_waits_for_a_slot_to_come_back(monkeypatch):
+    """A pool told to make ``made_at_once`` slots takes one that comes back within ``SLOT_WAIT_S``
+    instead of making another; where none comes back it makes one, and the next count waits again. A
+    pool not told so never waits."""
+    pool = batch_memory._Pool(shared=False)
+    pool.made_at_once = 1
+    held = [pool.take(1000)]
+    first = held[0].data_ptr()
+    threading.Timer(0.05, held.clear).start()  # the batch is dropped 50 ms later
+    began = time.monotonic()
+    again = pool.take(1000)
+    assert 0.04 <= time.monotonic() - began < batch_memory.SLOT_WAIT_S
+    assert again.data_ptr() == first and len(pool.slots) == 1  # the same slot, no new one
+    monkeypatch.setattr(batch_memory, "SLOT_WAIT_S", 0.05)
+    began = time.monotonic()
+    other = pool.take(1000)  # ``again`` stays in use: after the wait, a second slot
+    assert time.monotonic() - began >= 0.05
+    assert other.data_ptr() != first and len(pool.slots) == 2 and pool.made_at_once == 2
+    began = time.monotonic()
+    third = pool.take(1000)  # both in use: the third count waits too
+    assert time.monotonic() - began >= 0.05 and len(pool.slots) == 3 and pool.made_at_once == 3
+    unbounded = batch_memory._Pool(shared=False)
+    monkeypatch.setattr(batch_memory, "SLOT_WAIT_S", 10.0)
+    kept = [unbounded.take(1000) for _ in range(3)]
+    assert len(unbounded.slots) == 3 and len({t.data_ptr() for t in kept + [third]}) == 4  # at once
+
+
+def test_workers_that_wait_for_slots_still_give_every_batch_exact(raw_path, monkeypatch):
+    """make_loader's workers make a slot per batch in flight and one more at once; a consumer that keeps
+    every batch makes them wait each time before they make another (up to ``MAX_SLOTS``, then fresh
+    memory), and every batch stays exact."""
+    monkeypatch.setattr(batch_memory, "SLOT_WAIT_S", 0.02)  # forked workers inherit it
+    ds = PackedDataset(raw_path)
+    loader = make_loader(ds, 1, num_workers=2, order="sequential", prefetch_factor=1, multiprocessing_context="fork",
+                         pin_memory=False)
+    assert loader.worker_init_fn.keywords["prefetch"] == 1
+    kept = list(loader)
+    assert len(kept) > 2 * batch_memory.MAX_SLOTS  # past every slot: fresh memory at the end
+    assert torch.cat([labels for _, labels in kept]).tolist() == ds.targets.tolist()
+    for i, image in enumerate(torch.cat([images for images, _ in kept])):
+        assert torch.equal(image, ds[i][0])
