@@ -72,16 +72,16 @@ def lookahead_samples(dataset: Dataset, buffer_blocks: int, in_flight: int = 0, 
 
     Why the second bound: under a cap, reclaim takes blocks read ahead and not yet read before the
     pages of the libraries the processes map (``measure_free_memory``'s ``beyond_mapped``), and a
-    worker that finds no free batch slot makes one (38.5 MB for 256 images of 224x224) whenever it
-    must, at the cap. The three fifths that the share leaves cover both where memory is plenty, but
-    not where it is short: the 24,000 JPEG records (357 MB) under a 600 MB cap, with 150-170 MB free
-    once the slots are set aside, of which the mapped libraries take 71-92 MB, read their first epoch
-    at 1.16-1.53x the disk's time and a later one at 1.37-1.71x, reading back blocks evicted before
-    they were read; with the bound, which leaves nothing ahead there, 1.02-1.12x in the first epoch
-    over 25 readings and 0.98-1.03x after, but once 1.59x (BENCHMARKS.md, "Some runs are slower, and
-    why"). Where memory is not that short the share is the smaller bound: the same records under
-    700 MB (250-270 MB free, 100-117 MB beyond the files and slots, 99-109 MB the share) and the 1.4 GB
-    set under 900 MB (465 MB free, about 300 MB beyond) advise as before.
+    worker makes a batch slot (38.5 MB for 256 images of 224x224) where none comes back in time
+    (``reader.batch_memory``), at the cap. The three fifths that the share leaves cover both where
+    memory is plenty, but not where it is short: the 24,000 JPEG records (357 MB) under a 600 MB cap,
+    with 150-170 MB free once the slots are set aside, of which the mapped libraries take 71-92 MB,
+    read their first epoch at 1.16-1.53x the disk's time and a later one at 1.37-1.71x, reading back
+    blocks evicted before they were read; with the bound, which leaves nothing ahead there, the first
+    epoch at 1.02-1.12x in all but one of 33 readings (BENCHMARKS.md, "Some runs are slower, and why",
+    which also gives the later epochs). Where memory is not that short the share is the smaller bound:
+    the same records under 700 MB (250-270 MB free, 100-117 MB beyond the files and slots, 99-109 MB
+    the share) and the 1.4 GB set under 900 MB (465 MB free, about 300 MB beyond) advise as before.
     """
     global _warned_short_of_memory
     view = as_view(dataset)
