@@ -125,34 +125,43 @@ def test_a_process_under_a_real_memory_limit_budgets_half_of_it():
 def test_shared_memory_held_under_a_real_limit_is_not_free(tmp_path):
     """A process in a real memory cgroup (1 GiB): its free memory is the limit less its own; 128 MiB of
     file cache it writes to a disk does not come off it, and 64 MiB of shared memory it writes (as batch
-    slots are) does."""
+    slots are) does. Beyond the mapped files, the file once mapped and read comes off too, and the
+    shared memory (mapped as well) only once."""
     kind = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout
     if kind.strip() == "tmpfs":
         pytest.skip("the test's files would be shared memory here (tmpfs): it needs a disk")
     limit = 1 << 30
     group = memory_cgroup(limit)
     code = """
-import os, sys, torch
-from reader.memory_budget import free_memory
-before = free_memory()
+import mmap, os, sys, torch
+from reader.memory_budget import measure_free_memory
+before = measure_free_memory()
 with open(sys.argv[1], "wb") as f:
     f.write(bytes(128 << 20))
     f.flush()
     os.fsync(f.fileno())
-cached = free_memory()
+cached = measure_free_memory()
 slot = torch.empty(64 << 20, dtype=torch.uint8).share_memory_()
 slot.fill_(1)
-print(before, cached, free_memory())
+slotted = measure_free_memory()
+with open(sys.argv[1], "rb") as f:
+    view = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    sum(view[i] for i in range(0, len(view), mmap.PAGESIZE))  # every page mapped in
+    mapped = measure_free_memory()
+print(*before, *cached, *slotted, *mapped)
 """
     try:
         move_in = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
         done = subprocess.run(["sh", "-c", move_in, "sh", sys.executable, "-c", code, str(tmp_path / "cache")],
                               capture_output=True, text=True, timeout=TIMEOUT_S, env=subprocess_env())
         assert done.returncode == 0, done.stderr
-        before, cached, after = map(int, done.stdout.split())
+        before, _, cached, cached_beyond, after, after_beyond, mapped, mapped_beyond = map(int, done.stdout.split())
         assert limit - (600 << 20) < before < limit  # torch's own memory held, well under the limit
         assert abs(before - cached) < (16 << 20)  # file cache is not held: reclaim can take it back
         assert (56 << 20) < cached - after < (90 << 20)  # the cgroup's counters lag by a few pages a core
+        assert abs((after - after_beyond) - (cached - cached_beyond)) < (16 << 20)  # the slot counted once
+        assert abs(mapped - after) < (16 << 20)  # mapping cached pages holds nothing more
+        assert (112 << 20) < (mapped - mapped_beyond) - (after - after_beyond) < (144 << 20)  # the file mapped
     finally:
         group.rmdir()
 
