@@ -1,6 +1,6 @@
 """Where a cold epoch's first batch waits: a timeline of the loader's steps in its main process and workers.
 
-    scripts/slowdisk run python scripts/trace_first_batch.py SET [--workers 2] [--batch 256]
+    scripts/slowdisk run python scripts/trace_first_batch.py SET [--workers 2] [--batch 256] [--disk]
 
 Run under ``scripts/slowdisk run`` (the page cache dropped, reads throttled), it makes
 ``make_loader(SET, batch, num_workers=workers, multiprocessing_context="fork")`` and takes its first
@@ -13,7 +13,10 @@ before the first) and the first's pinned copy (where CUDA is there it is started
 right after the fork) and its first batch (the read and decode, then the handoff to the collate
 function; the pickling and the queue that carry the batch to the main process come between that and its
 receipt, untimed). Then the same with the cache warm (a second loader over the same set, whose first
-batch is now cached), so that what the disk costs shows against what the processes cost.
+batch is now cached), so that what the disk costs shows against what the processes cost. With
+``--disk``, also what the disk holding SET had served by each moment of the cold first batch: its
+``/sys/dev/block/MAJ:MIN/stat`` read every millisecond, a line each time the count moves (a throttled
+disk serves in steps about 100 ms apart, so a step's IOs come as one line).
 
 Why: BENCHMARKS.md's first batches are one figure, the wait; on one lent 16-core machine (lending C
 there) they came at 0.39-0.46 s, about 0.2 s more than the disk's first window explains, and one
@@ -26,11 +29,13 @@ them on one machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -91,18 +96,69 @@ def instrument() -> None:
     PackedView.advise = timed(ADVICE, PackedView.advise, first_only=False)  # type: ignore[method-assign]
 
 
-def first_batch(path: str, workers: int, batch: int) -> None:
+class DiskServed:
+    """What the block device holding a path has served (reads completed, bytes), read every millisecond
+    on a thread while in a ``with`` block: ``steps()`` gives ``(ms from start, reads, MB)`` each time it
+    moved, reads within ``STEP_MS`` of each other folded into one step."""
+
+    STEP_MS = 5
+
+    def __init__(self, path: str) -> None:
+        device = os.stat(path).st_dev
+        self.stat = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat")
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _read(self) -> tuple[int, int]:
+        fields = self.stat.read_text().split()
+        return int(fields[0]), int(fields[2]) * 512  # reads completed, sectors read
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), *self._read()))
+            time.sleep(0.001)
+
+    def __enter__(self) -> "DiskServed":
+        self.start = time.time()
+        self.base = self._read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def steps(self) -> list[tuple[float, int, float]]:
+        out: list[tuple[float, int, float]] = []
+        last = self.base
+        for t, reads, nbytes in self.samples:
+            if (reads, nbytes) == last:
+                continue
+            last = (reads, nbytes)
+            row = (1000 * (t - self.start), reads - self.base[0], (nbytes - self.base[1]) / 1e6)
+            if out and row[0] - out[-1][0] < self.STEP_MS:
+                out[-1] = (out[-1][0], row[1], row[2])
+            else:
+                out.append(row)
+        return out
+
+
+def first_batch(path: str, workers: int, batch: int, disk: bool = False) -> DiskServed | None:
     """Make the run's next loader over ``path`` and take its first batch, noting ``iter()`` and the
-    batch's arrival."""
+    batch's arrival; with ``disk``, what the disk served from ``iter()`` to the first batch."""
     global loader_number
     loader_number += 1
     loader = loader_module.make_loader(PackedDataset(path), batch, num_workers=workers,
                                        multiprocessing_context="fork")
+    served = DiskServed(path) if disk else None
     note("iter")
-    iterator = iter(loader)
-    next(iterator)
-    note("first batch")
+    with served or contextlib.nullcontext():
+        iterator = iter(loader)
+        next(iterator)
+        note("first batch")
     del iterator, loader
+    return served
 
 
 def timeline(lines: list[str], number: int) -> str:
@@ -134,6 +190,8 @@ def main() -> None:
     parser.add_argument("set", help="a packed dataset, read cold (run under scripts/slowdisk run)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--disk", action="store_true",
+                        help="also what the disk served during the cold first batch (module docstring)")
     args = parser.parse_args()
     if torch.cuda.is_available():
         torch.empty(1).pin_memory()
@@ -144,14 +202,18 @@ def main() -> None:
     instrument()
     labels = ("cold", "warm")
     try:
-        for _ in labels:
-            first_batch(args.set, args.workers, args.batch)
+        served = first_batch(args.set, args.workers, args.batch, disk=args.disk)
+        first_batch(args.set, args.workers, args.batch)
         lines = TRACE.read_text().splitlines()
     finally:
         shutil.rmtree(TRACE.parent)
     for number, label in enumerate(labels, 1):
         print(f"{label} (page cache {'dropped' if label == 'cold' else 'holding the first batch'}):")
         print(timeline(lines, number), flush=True)
+    if served is not None:
+        print(f"the disk ({served.stat.parent.name}) from iter() to the cold first batch, by step:")
+        for ms, reads, mb in served.steps():
+            print(f"  {ms:8.1f} ms  {reads:4} reads done, {mb:6.1f} MB")
 
 
 if __name__ == "__main__":
