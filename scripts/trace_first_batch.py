@@ -106,6 +106,9 @@ class DiskServed:
     def __init__(self, path: str) -> None:
         device = os.stat(path).st_dev
         self.stat = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat")
+        if not self.stat.is_file():
+            raise SystemExit(f"--disk: {path} is not on a block device ({self.stat} does not exist: "
+                             "a network or memory file system?)")
         self.samples: list[tuple[float, int, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -149,9 +152,9 @@ def first_batch(path: str, workers: int, batch: int, disk: bool = False) -> Disk
     batch's arrival; with ``disk``, what the disk served from ``iter()`` to the first batch."""
     global loader_number
     loader_number += 1
+    served = DiskServed(path) if disk else None
     loader = loader_module.make_loader(PackedDataset(path), batch, num_workers=workers,
                                        multiprocessing_context="fork")
-    served = DiskServed(path) if disk else None
     note("iter")
     with served or contextlib.nullcontext():
         iterator = iter(loader)
