@@ -192,7 +192,8 @@ def main() -> None:
 @click.option("--label-kind", type=click.Choice(LABEL_KINDS), default="auto", show_default=True,
               help="CSV labels: index (integers 0..N-1), name (class names), auto (refuses a mix).")
 @click.option("--partitions", type=click.IntRange(min=1),
-              help="Cut the plan into this many partitions [default: from the record count alone].")
+              help="Cut the plan into this many partitions [default: from the plan alone, at least ~32 MiB "
+              "of records each: docs/packing.md, Partitions].")
 @click.option("--part", type=PartOption(),
               help="Pack only task I's share of the partitions (I/N, 0-based), or `slurm` to read "
               "SLURM_ARRAY_TASK_ID/_COUNT/_MIN; then `packer merge DST` once every task is done.")

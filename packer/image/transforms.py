@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import stat
 import warnings
 from contextlib import contextmanager
@@ -269,8 +270,8 @@ def _load(
     in memory takes the same steps (its EXIF orientation too) but has no file to draft from."""
     if isinstance(source, Image.Image):
         if source.width * source.height > spec.max_pixels:
-            raise Image.DecompressionBombError(f"image of {source.width}x{source.height} pixels is over "
-                                               f"max_pixels {spec.max_pixels}")
+            raise Image.DecompressionBombError(_over_pixel_limit(f"{source.width}x{source.height} pixels",
+                                                                spec.max_pixels))
         return _upright(source, b"", spec, finish)
     data = source if isinstance(source, bytes) else read_source_file(source, spec.max_file_bytes)
     with _pixel_limit(spec.max_pixels), Image.open(io.BytesIO(data)) as img:
@@ -406,15 +407,27 @@ def _draft_scale(size: tuple[int, int], draft: tuple[int, int] | None) -> int:
 
 @contextmanager
 def _pixel_limit(max_pixels: int) -> Iterator[None]:
-    """PIL's decompression-bomb limit set to ``max_pixels``, its warning raised as an error."""
+    """PIL's decompression-bomb limit set to ``max_pixels``, its warning raised as an error, and what
+    either says put in this limit's terms (``_over_pixel_limit``): PIL raises its error past twice the
+    limit and names that, so ``--max-pixels 1000`` would otherwise read "exceeds limit of 2000"."""
     saved = Image.MAX_IMAGE_PIXELS
     Image.MAX_IMAGE_PIXELS = max_pixels
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            yield
+            try:
+                yield
+            except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+                size = re.search(r"Image size \((\d+) pixels\)", str(e))
+                raise Image.DecompressionBombError(_over_pixel_limit(
+                    f"{size.group(1)} pixels" if size else "more pixels", max_pixels)) from None
     finally:
         Image.MAX_IMAGE_PIXELS = saved
+
+
+def _over_pixel_limit(size: str, max_pixels: int) -> str:
+    """The message for an image of ``size`` ("WxH pixels") refused by the ``max_pixels`` limit."""
+    return f"image of {size}, over the limit of {max_pixels} (--max-pixels)"
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -154,11 +155,16 @@ def test_jpeg_encoding_is_baseline_420_at_the_quality() -> None:
     assert img.layer[0][1:3] == (2, 2)  # luma sampled 2x2 against chroma: 4:2:0
 
 
-def test_decompression_bomb_limit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("max_pixels", [5000, 1000])  # PIL warns past its limit and errs past twice it
+def test_decompression_bomb_limit_names_the_limit_given(tmp_path: Path, max_pixels: int) -> None:
     path = tmp_path / "big.png"
     Image.new("RGB", (100, 100)).save(path)
-    with pytest.raises((Image.DecompressionBombError, Image.DecompressionBombWarning)):
-        load_image(path, TransformSpec(max_pixels=5000))
+    message = f"image of 10000 pixels, over the limit of {max_pixels} (--max-pixels)"
+    with pytest.raises(Image.DecompressionBombError, match=re.escape(message)):
+        load_image(path, TransformSpec(max_pixels=max_pixels))
+    with pytest.raises(Image.DecompressionBombError,
+                       match=re.escape(f"image of 100x100 pixels, over the limit of {max_pixels} (--max-pixels)")):
+        load_image(Image.new("RGB", (100, 100)), TransformSpec(max_pixels=max_pixels))
     assert load_image(path, TransformSpec(max_pixels=10000)).size == (100, 100)
 
 
