@@ -413,8 +413,9 @@ def _print_info(summary: DatasetInfo) -> None:
          or "none"),
         ("shards", f"{summary.shards} {summary.storage} files, {_megabytes(summary.bytes_on_disk)} on disk"
                    + (f"; {len(summary.missing_shards)} MISSING ({', '.join(summary.missing_shards[:3])}"
-                      f"{', ...' if len(summary.missing_shards) > 3 else ''}): run packer verify"
-                      if summary.missing_shards else "")),
+                      f"{', ...' if len(summary.missing_shards) > 3 else ''})" if summary.missing_shards else "")
+                   + (f"; {len(summary.damaged_shards)} DAMAGED (below)" if summary.damaged_shards else "")
+                   + ("; run packer verify" if summary.missing_shards or summary.damaged_shards else "")),
         ("encoding", encoding),
         ("shape", "variable (no crop)" if summary.shape is None else "x".join(map(str, summary.shape))),
         ("transform", describe_transform(summary.transform)),
@@ -424,6 +425,8 @@ def _print_info(summary: DatasetInfo) -> None:
     ]
     for key, value in rows:
         say(f"{key:<10} {value}")
+    for problem in summary.damaged_shards:
+        say(f"  damaged {problem}")
     for entry in summary.skipped:
         say(f"  skipped {entry['path']}: {entry['reason']}")
 

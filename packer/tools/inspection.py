@@ -3,18 +3,24 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from reader.format import MANIFEST_NAME, load_manifest, load_shard_table
+from reader.format import MANIFEST_NAME, FormatError, load_manifest, load_shard_table
+from reader.format.shard_files import check_shard_file
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """A summary of a packed dataset. ``bytes_on_disk`` counts the shard files present and the manifest."""
+    """A summary of a packed dataset. ``bytes_on_disk`` counts the manifest and the shard files present
+    as regular files (a symlink is never followed); ``missing_shards`` names the shard files the manifest
+    lists that are not there, ``damaged_shards`` says why each shard file that is there would be refused
+    when the dataset is opened (``reader.format.shard_files.check_shard_file``: a symlink, FIFO or
+    device, or not the manifest's size). ``packer verify`` checks the rest."""
 
     path: str
     storage: str
@@ -32,6 +38,7 @@ class DatasetInfo:
     fields: list[dict[str, Any]]
     labelled: bool
     missing_shards: list[str]
+    damaged_shards: list[str]
 
     @property
     def skipped(self) -> list[dict[str, str]]:
@@ -43,12 +50,25 @@ class DatasetInfo:
 
 
 def info(path: str | os.PathLike) -> DatasetInfo:
-    """Read ``path/manifest.json`` and size the files (``missing_shards``: the shard files the manifest
-    lists that are not there; ``verify`` checks the rest); raises ``FormatError`` when it is not a dataset."""
+    """Read ``path/manifest.json`` and look at the shard files without opening one (``DatasetInfo``);
+    raises ``FormatError`` when it is not a dataset."""
     root = Path(path)
     manifest = load_manifest(root)
-    files = [root / MANIFEST_NAME] + [root / s.file for s in manifest.shards]
-    missing = [s.file for s in manifest.shards if not (root / s.file).is_file()]
+    on_disk = os.lstat(root / MANIFEST_NAME).st_size
+    missing: list[str] = []
+    damaged: list[str] = []
+    for shard in manifest.shards:
+        try:
+            st = os.lstat(root / shard.file)
+        except FileNotFoundError:
+            missing.append(shard.file)
+            continue
+        if stat.S_ISREG(st.st_mode):
+            on_disk += st.st_size
+        try:
+            check_shard_file(root, shard)
+        except FormatError as e:
+            damaged.append(str(e))
     return DatasetInfo(
         path=str(root.resolve()),
         storage=manifest.storage,
@@ -58,7 +78,7 @@ def info(path: str | os.PathLike) -> DatasetInfo:
         records=manifest.num_records,
         classes=list(manifest.classes),
         shards=len(manifest.shards),
-        bytes_on_disk=sum(f.stat().st_size for f in files if f.is_file()),
+        bytes_on_disk=on_disk,
         transform=manifest.transform,
         source=manifest.source,
         tool_version=manifest.tool_version,
@@ -66,6 +86,7 @@ def info(path: str | os.PathLike) -> DatasetInfo:
         fields=[field.to_json() for field in manifest.fields],
         labelled=manifest.labelled,
         missing_shards=missing,
+        damaged_shards=damaged,
     )
 
 

@@ -41,8 +41,27 @@ def test_pack_info_verify(tmp_path: Path, make_image_folder: Callable[..., Path]
 
     (dst / manifest.shards[1].file).unlink()  # info still describes the dataset, and says what is missing
     code, out, _ = run("info", dst)
-    assert code == 0 and f"; 1 MISSING ({manifest.shards[1].file}): run packer verify" in out
+    assert code == 0 and f"; 1 MISSING ({manifest.shards[1].file}); run packer verify" in out
     assert json.loads(run("info", dst, "--json")[1])["missing_shards"] == [manifest.shards[1].file]
+
+    # a shard replaced by a symlink (to a file of the right size) and one truncated: info opens neither,
+    # counts neither's target, and says why the reader would refuse each
+    first, last = dst / manifest.shards[0].file, dst / manifest.shards[-1].file
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes(first.read_bytes())
+    first.unlink()
+    first.symlink_to(outside)
+    with open(last, "r+b") as f:
+        f.truncate(manifest.shards[-1].bytes - 1)
+    code, out, _ = run("info", dst)
+    assert code == 0 and f"; 1 MISSING ({manifest.shards[1].file}); 2 DAMAGED (below); run packer verify" in out
+    assert f"  damaged {first}: shard is a symlink, not a regular file" in out
+    assert (f"  damaged {last}: shard file is {manifest.shards[-1].bytes - 1} bytes, the manifest says "
+            f"{manifest.shards[-1].bytes} (truncated") in out
+    data = json.loads(run("info", dst, "--json")[1])
+    assert [problem.split(": ")[0] for problem in data["damaged_shards"]] == [str(first), str(last)]
+    assert data["bytes_on_disk"] == (dst / "manifest.json").stat().st_size + last.stat().st_size + sum(
+        (dst / s.file).stat().st_size for s in manifest.shards[2:-1])
 
 
 def test_errors_are_one_line_without_traceback(tmp_path: Path, make_image_folder: Callable[..., Path]) -> None:
