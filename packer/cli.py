@@ -411,11 +411,8 @@ def _print_info(summary: DatasetInfo) -> None:
          else f"{summary.records}, unlabelled"),
         ("fields", "; ".join(FieldSpec.from_json(f, summary.path).declaration() for f in summary.fields)
          or "none"),
-        ("shards", f"{summary.shards} {summary.storage} files, {_megabytes(summary.bytes_on_disk)} on disk"
-                   + (f"; {len(summary.missing_shards)} MISSING ({', '.join(summary.missing_shards[:3])}"
-                      f"{', ...' if len(summary.missing_shards) > 3 else ''})" if summary.missing_shards else "")
-                   + (f"; {len(summary.damaged_shards)} DAMAGED (below)" if summary.damaged_shards else "")
-                   + ("; run packer verify" if summary.missing_shards or summary.damaged_shards else "")),
+        ("shards", "; ".join([f"{summary.shards} {summary.storage} files, {_megabytes(summary.bytes_on_disk)} on disk",
+                              *_shard_problems(summary)])),
         ("encoding", encoding),
         ("shape", "variable (no crop)" if summary.shape is None else "x".join(map(str, summary.shape))),
         ("transform", describe_transform(summary.transform)),
@@ -429,6 +426,15 @@ def _print_info(summary: DatasetInfo) -> None:
         say(f"  damaged {problem}")
     for entry in summary.skipped:
         say(f"  skipped {entry['path']}: {entry['reason']}")
+
+
+def _shard_problems(summary: DatasetInfo) -> list[str]:
+    """What ``info`` flags in its shards row: missing shards (the first three), damaged ones (named on
+    lines of their own), and where to look next."""
+    missing, damaged = summary.missing_shards, summary.damaged_shards
+    flags = ([f"{len(missing)} MISSING ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"]
+             if missing else []) + ([f"{len(damaged)} DAMAGED (below)"] if damaged else [])
+    return [*flags, "run packer verify"] if flags else []
 
 
 def _megabytes(n: int) -> str:

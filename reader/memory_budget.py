@@ -52,8 +52,9 @@ def page_cache_budget() -> int:
 def cache_room(to_come: int) -> int:
     """Bytes of shard files that the page cache can keep from one epoch to the next for a loader about
     to start: half the memory (``page_cache_budget``), and no more than ``KEEP_SHARE`` of what the page
-    cache can still take now (``free_memory``) once ``to_come`` bytes are set aside, what the loaders
-    about to start will take (their batch slots and their workers' own memory, ``worker_bytes``).
+    cache can still take now (``measure_free_memory``'s ``total``) once ``to_come`` bytes are set aside,
+    what the loaders about to start will take (their batch slots and their workers' own memory,
+    ``worker_bytes``).
 
     Why both: half the memory leaves the other half to the processes of one training job, but the ranks
     on one node each bring a main process, workers and batch slots. Four ranks (one worker each) under
@@ -65,7 +66,7 @@ def cache_room(to_come: int) -> int:
     (streamed, as three quarters now has it: 24 s and 19 s). So the share stays under the last good
     case: streaming a dataset that would have stayed cached costs a read of it an epoch, keeping one
     that does not fit costs every record at the disk's IOPS (``scripts/bench_cold.py --ranks``)."""
-    return min(page_cache_budget(), int((free_memory() - to_come) * KEEP_SHARE))
+    return min(page_cache_budget(), int((measure_free_memory().total - to_come) * KEEP_SHARE))
 
 
 def worker_bytes(start_method: str) -> int:
@@ -90,14 +91,8 @@ def cgroup_memory_limit(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Pat
 class FreeMemory(NamedTuple):
     """One reading of the memory free for the page cache (``measure_free_memory``), in bytes."""
 
-    total: int  # what the page cache can still take (``free_memory``)
+    total: int  # what the page cache can still take
     beyond_mapped: int  # the same, with the file pages the processes map counted as held
-
-
-def free_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT,
-                meminfo: Path = MEMINFO) -> int:
-    """Bytes the page cache can still take for this process now: ``measure_free_memory``'s ``total``."""
-    return measure_free_memory(proc_cgroup, root, meminfo).total
 
 
 def measure_free_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT,

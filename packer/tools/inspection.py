@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from reader.format import MANIFEST_NAME, FormatError, load_manifest, load_shard_table
-from reader.format.shard_files import check_shard_file
+from reader.format.shard_files import check_stat
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class DatasetInfo:
     """A summary of a packed dataset. ``bytes_on_disk`` counts the manifest and the shard files present
     as regular files (a symlink is never followed); ``missing_shards`` names the shard files the manifest
     lists that are not there, ``damaged_shards`` says why each shard file that is there would be refused
-    when the dataset is opened (``reader.format.shard_files.check_shard_file``: a symlink, FIFO or
+    when the dataset is opened (``reader.format.shard_files.check_stat``: a symlink, FIFO or
     device, or not the manifest's size). ``packer verify`` checks the rest."""
 
     path: str
@@ -66,7 +66,7 @@ def info(path: str | os.PathLike) -> DatasetInfo:
         if stat.S_ISREG(st.st_mode):
             on_disk += st.st_size
         try:
-            check_shard_file(root, shard)
+            check_stat(root / shard.file, st, shard.bytes)  # as opening the dataset checks it
         except FormatError as e:
             damaged.append(str(e))
     return DatasetInfo(

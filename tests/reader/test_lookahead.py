@@ -122,7 +122,7 @@ import sys, time, warnings
 import numpy as np
 from reader import PackedDataset
 from reader.lookahead import REMEASURE_S, Lookahead
-from reader.memory_budget import free_memory
+from reader.memory_budget import measure_free_memory
 from reader.packed_view import PackedView
 view = PackedView(PackedDataset(sys.argv[1], block_bytes=1))
 view.streaming = True
@@ -130,7 +130,7 @@ lookahead = Lookahead(view, len(view), 0, 0)
 answers = [lookahead()]
 held = []
 for left in (200, 60):
-    held.append(np.ones(max(free_memory() - (left << 20), 0), np.uint8))
+    held.append(np.ones(max(measure_free_memory().total - (left << 20), 0), np.uint8))
     time.sleep(REMEASURE_S)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

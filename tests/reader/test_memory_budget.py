@@ -22,7 +22,6 @@ from reader.memory_budget import (
     KEEP_SHARE,
     STARTED_WORKER_BYTES,
     cgroup_memory_limit,
-    free_memory,
     measure_free_memory,
     page_cache_budget,
     worker_bytes,
@@ -70,11 +69,11 @@ def test_free_memory_is_the_limit_less_what_reclaim_cannot_take(tmp_path):
           f"hierarchical_memory_limit {3 << 30}\ntotal_cache {600 << 20}\ntotal_shmem {300 << 20}\n")
     write(tmp_path / "cg/memory/memory.stat", f"hierarchical_memory_limit {NO_LIMIT_V1}\n")
     # the task holds 1200 - 500 + 300 = 1000 MiB, the job 2200 MiB: the job's term is the least
-    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (3 << 30) - (2200 << 20)
+    assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo).total == (3 << 30) - (2200 << 20)
     # beyond the mapped files: those beyond the shared memory (mapped too) count as held, the job's 100 MiB
     write(tmp_path / "cg/memory/job/memory.stat", f"hierarchical_memory_limit {3 << 30}\ntotal_cache {600 << 20}\n"
                                                   f"total_shmem {300 << 20}\ntotal_mapped_file {400 << 20}\n")
-    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (3 << 30) - (2200 << 20)
+    assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo).total == (3 << 30) - (2200 << 20)
     assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == ((3 << 30) - (2200 << 20),
                                                                                (3 << 30) - (2300 << 20))
     write(tmp_path / "cg/memory/job/memory.stat", f"hierarchical_memory_limit {3 << 30}\ntotal_cache {600 << 20}\n"
@@ -87,17 +86,17 @@ def test_free_memory_is_the_limit_less_what_reclaim_cannot_take(tmp_path):
     write(tmp_path / "cg/pod/memory.max", f"{8 << 30}\n")
     write(tmp_path / "cg/pod/memory.current", f"{7 << 30}\n")  # 1 GiB file cache of which 512 MiB shared memory
     write(tmp_path / "cg/pod/memory.stat", f"anon {5 << 30}\nkernel {1 << 29}\nfile {1 << 30}\nshmem {1 << 29}\n")
-    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (8 << 30) - (6 << 30) - (1 << 29)
+    assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo).total == (8 << 30) - (6 << 30) - (1 << 29)
     write(tmp_path / "cg/pod/memory.stat", f"anon {5 << 30}\nkernel {1 << 29}\nfile {1 << 30}\nshmem {1 << 29}\n"
                                            f"file_mapped {3 << 28}\n")  # 768 MiB mapped: 256 MiB beyond shmem
-    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (8 << 30) - (6 << 30) - (1 << 29)
+    assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo).total == (8 << 30) - (6 << 30) - (1 << 29)
     held = (6 << 30) + (3 << 28)  # memory.current less file, plus shmem, plus the 256 MiB mapped beyond it
     assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo).beyond_mapped == (8 << 30) - held
     write(tmp_path / "cg/pod/memory.max", "max\n")  # no limit: the machine's available memory, for both
     assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (48 << 30, 48 << 30)
     write(tmp_path / "cg/pod/memory.max", f"{4 << 30}\n")  # over the limit: nothing free, never negative
     assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == (0, 0)
-    assert free_memory(tmp_path / "proc", tmp_path / "cg", meminfo) == 0
+    assert measure_free_memory(tmp_path / "proc", tmp_path / "cg", meminfo).total == 0
 
 
 def test_no_cgroup_means_half_the_ram(tmp_path):
@@ -178,14 +177,14 @@ def test_ranks_on_a_node_stream_a_dataset_that_one_rank_keeps_under_a_real_limit
     code = """
 import os, sys, warnings
 from reader import PackedDataset, make_loader
-from reader.memory_budget import free_memory
+from reader.memory_budget import measure_free_memory
 warnings.simplefilter("ignore")  # 64 ranks get no room to read ahead, and are told so
 os.environ.pop("LOCAL_WORLD_SIZE", None)  # alone, even where the suite runs under torchrun
 ds = PackedDataset(sys.argv[1])
 alone = make_loader(ds, 64, num_workers=2, pin_memory=False, multiprocessing_context="fork").view.streaming
 os.environ["LOCAL_WORLD_SIZE"] = "64"
 shared = make_loader(ds, 64, num_workers=2, pin_memory=False, multiprocessing_context="fork").view.streaming
-print(alone, shared, free_memory())
+print(alone, shared, measure_free_memory().total)
 """
     try:
         move_in = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
