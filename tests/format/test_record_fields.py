@@ -213,6 +213,23 @@ def test_format_version_1_datasets_still_open() -> None:
         assert packer.verify(FIXTURES / f"v1-{storage}", deep=True, progress=False).ok
 
 
+def test_format_version_4_datasets_still_open_with_their_sources_and_fields() -> None:
+    """Written by the version-4 packer: record tables as plain rows at ``table_offset``, columns as
+    ``.npy`` arrays."""
+    for storage in ("lmdb", "hdf5"):
+        ds = PackedDataset(FIXTURES / f"v4-{storage}")
+        assert ds.manifest.format_version == 4 and len(ds) == 5 and ds.classes == ["cat", "dog"]
+        for k in range(5):
+            pixels, label = ds[k]
+            expected = (np.arange(3 * 8 * 6).reshape(3, 8, 6) * (k + 1) % 256).astype(np.uint8)
+            assert label == k % 2 and torch.equal(pixels, torch.from_numpy(expected))
+            assert ds.source(k) == f"{['cat', 'dog'][k % 2]}/img_{k}.png"
+            fields = ds.fields(k)
+            assert fields["id"] == 100 + k and fields["caption"] == f"picture {k}"
+            assert fields["box"] == [[float(k)] * 4] * (k % 3)
+        assert packer.verify(FIXTURES / f"v4-{storage}", deep=True, progress=False).ok
+
+
 def test_a_reader_refuses_a_format_version_it_does_not_know(tmp_path: Path) -> None:
     dst = tmp_path / "v5"
     shutil.copytree(FIXTURES / "v1-lmdb", dst)
