@@ -204,7 +204,8 @@ def payload_bytes(dataset: Path) -> tuple[int, int, list[Path]]:
 
     manifest = load_manifest(dataset)
     files = [dataset / shard.file for shard in manifest.shards]
-    payload = sum(int(container(manifest.storage).read_table(f, f)["nbytes"].sum()) for f in files)
+    payload = sum(int(container(manifest.storage).read_table(f, f, compressed=shard.compressed)["nbytes"].sum())
+                  for f, shard in zip(files, manifest.shards))
     return payload, manifest.total_bytes, files
 
 

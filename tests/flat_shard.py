@@ -2,7 +2,9 @@
 
 ``test_new_container.py`` copies it into a copy of ``reader/format`` and adds it to ``registry.py``.
 Layout of a ``.flat`` shard: every payload back to back from byte 0, then an ``.npz`` archive holding
-``table`` and the named arrays (``array.NAME``), then the archive's length as 8 little-endian bytes.
+the stored bytes (``reader.format.compressed_arrays``) of ``table`` and of the named arrays
+(``array.NAME``), then the archive's length as 8 little-endian bytes. A new container has no shards from
+before format version 5, so it reads compressed tables and arrays only.
 """
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ from typing import Iterator
 
 import numpy as np
 
+from reader.format.compressed_arrays import decompress_column, decompress_table
 from reader.format.container import Container, ShardWriter
 from reader.format.errors import FormatError
-from reader.format.records import check_array_layout, check_table_layout
 
 
 class FlatShardWriter(ShardWriter):
@@ -29,9 +31,10 @@ class FlatShardWriter(ShardWriter):
     def _finish_payloads(self, table: np.ndarray) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(table["nbytes"][:-1])]).astype(np.uint64)
 
-    def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+    def _write_table(self, table: bytes, arrays: dict[str, bytes]) -> None:
         buf = io.BytesIO()
-        np.savez(buf, table=table, **{f"array.{name}": array for name, array in arrays.items()})
+        stored = {f"array.{name}": _byte_array(array) for name, array in arrays.items()}
+        np.savez(buf, table=_byte_array(table), **stored)
         self._file.write(buf.getvalue() + len(buf.getvalue()).to_bytes(8, "little"))
         self._close()
 
@@ -39,7 +42,13 @@ class FlatShardWriter(ShardWriter):
         self._file.close()
 
 
-def _archive(path: str | os.PathLike, shown: Path) -> np.lib.npyio.NpzFile:
+def _byte_array(stored: bytes) -> np.ndarray:
+    return np.frombuffer(stored, dtype=np.uint8)
+
+
+def _archive(path: str | os.PathLike, shown: Path, compressed: bool) -> np.lib.npyio.NpzFile:
+    if not compressed:
+        raise FormatError(f"{shown}: flat shards store their tables compressed (format version 5 on)")
     with open(path, "rb") as f:
         f.seek(-8, os.SEEK_END)
         length = int.from_bytes(f.read(8), "little")
@@ -57,21 +66,20 @@ class FlatContainer(Container):
     def writer(self, path: Path) -> ShardWriter:
         return FlatShardWriter(path)
 
-    def read_table(self, path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
-        table = _archive(path, shown)["table"]
-        check_table_layout(table.dtype, table.shape, shown, records)
-        return table
+    def read_table(
+        self, path: str | os.PathLike, shown: Path, records: int | None = None, *, compressed: bool
+    ) -> np.ndarray:
+        return decompress_table(_archive(path, shown, compressed)["table"].tobytes(), shown, records)
 
     def read_arrays(
-        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str]
+        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str], *, compressed: bool
     ) -> dict[str, np.ndarray]:
-        archive = _archive(path, shown)
+        archive = _archive(path, shown, compressed)
         arrays = {}
         for name in names:
             if f"array.{name}" not in archive.files:
                 raise FormatError(f"{shown}: flat shard has no array {name!r}")
-            arrays[name] = archive[f"array.{name}"]
-            check_array_layout(arrays[name].dtype, arrays[name].shape, shown, f"array {name}")
+            arrays[name] = decompress_column(archive[f"array.{name}"].tobytes(), shown, f"array {name}")
         return arrays
 
     def read_records(

@@ -56,7 +56,8 @@ def read_packed_records(dst: Path) -> list[tuple[bytes, int, int, int]]:
     manifest = load_manifest(dst)
     records = []
     for shard in manifest.shards:
-        table = container(manifest.storage).read_table(dst / shard.file, dst / shard.file)
+        table = container(manifest.storage).read_table(dst / shard.file, dst / shard.file,
+                                                          compressed=shard.compressed)
         fd = os.open(dst / shard.file, os.O_RDONLY)
         try:
             for row in table:

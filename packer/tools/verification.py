@@ -95,7 +95,8 @@ def _check_files(
                 opened = fd_path(fd)
                 if file_checksum(opened, progress=bar.update) != shard.checksum:
                     report.problems.append(f"{shard.file}: checksum mismatch (the file is corrupt or changed)")
-                table = container(manifest.storage).read_table(opened, path, shard.records)
+                table = container(manifest.storage).read_table(opened, path, shard.records,
+                                                               compressed=shard.compressed)
                 if shard.table_offset is not None and \
                         table_at_offset(fd, shard, st.st_size, path).tobytes() \
                         != table.tobytes():

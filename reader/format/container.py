@@ -19,6 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
+from reader.format.compressed_arrays import compress_array, compress_table
 from reader.format.durable import fsync_directory
 from reader.format.records import ARRAY_DTYPES, RECORD_TABLE_DTYPE, is_plain_column
 
@@ -31,7 +32,8 @@ class ShardWriter(abc.ABC):
         self.tmp_path = self.path.with_name(self.path.name + ".tmp")
         self._rows: list[tuple[int, int, int, int]] = []  # (nbytes, label, height, width)
         self.payload_bytes = 0
-        self.table_offset: int | None = None  # where the finished file holds the table's rows (``finish``)
+        self.table_offset: int | None = None  # where the finished file holds the stored table (``finish``)
+        self.table_bytes = 0  # the stored table's length (``finish``)
 
     @property
     def num_records(self) -> int:
@@ -46,13 +48,14 @@ class ShardWriter(abc.ABC):
 
     def finish(self, arrays: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """Write the record table (and the named ``arrays``: per-record columns, see
-        ``reader.format.fields``), fsync, and rename the shard to its final name. Returns the table.
-        An array no reader would accept is a ``ValueError`` naming the shard, before anything is
-        finished (call ``abort()``): a finished shard is always readable.
+        ``reader.format.fields``), each compressed (``reader.format.compressed_arrays``), fsync, and
+        rename the shard to its final name. Returns the table. An array no reader would accept is a
+        ``ValueError`` naming the shard, before anything is finished (call ``abort()``): a finished
+        shard is always readable.
 
-        ``table_offset`` is then where the file holds the table's rows, back to back in the record-table
-        dtype (the manifest's ``table_offset``, which readers read in one ``pread``), or None when the
-        container cannot say; it is checked against the file before the shard is published."""
+        ``table_offset`` is then where the file holds the stored table, its ``table_bytes`` bytes (the
+        manifest's ``table_offset`` and ``table_bytes``, which readers read in one ``pread``), or None
+        when the container cannot say; it is checked against the file before the shard is published."""
         for name, array in (arrays or {}).items():
             if not is_plain_column(array.dtype, array.shape):
                 raise ValueError(f"{self.path}: array {name} has dtype {array.dtype} and shape {array.shape}; "
@@ -63,11 +66,12 @@ class ShardWriter(abc.ABC):
         table["nbytes"], table["label"], table["height"], table["width"] = rows.T
         with self._errors_name_the_file():
             table["offset"] = self._finish_payloads(table)
-            self._write_table(table, arrays or {})
+            stored = compress_table(table)
+            self.table_bytes = len(stored)
+            self._write_table(stored, {name: compress_array(array) for name, array in (arrays or {}).items()})
             with open(self.tmp_path, "rb+") as f:
                 os.fsync(f.fileno())
-                if self.table_offset is not None and os.pread(f.fileno(), table.nbytes, self.table_offset) \
-                        != table.tobytes():
+                if self.table_offset is not None and os.pread(f.fileno(), len(stored), self.table_offset) != stored:
                     raise RuntimeError(f"{self.tmp_path}: the record table is not at offset {self.table_offset}, "
                                        "where the container put it")
         os.replace(self.tmp_path, self.path)
@@ -107,9 +111,10 @@ class ShardWriter(abc.ABC):
         """Flush all payloads; return each record's byte offset in the shard file."""
 
     @abc.abstractmethod
-    def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
-        """Store the table and the named arrays inside the shard and close the container; set
-        ``table_offset`` where the container can tell where the table's rows lie in the file."""
+    def _write_table(self, table: bytes, arrays: dict[str, bytes]) -> None:
+        """Store the table and the named arrays (their bytes, already compressed) inside the shard and
+        close the container; set ``table_offset`` where the container can tell where the table's bytes
+        lie in the file."""
 
     @abc.abstractmethod
     def _close(self) -> None: ...
@@ -128,16 +133,21 @@ class Container(abc.ABC):
         """A writer for a new shard at ``path``."""
 
     @abc.abstractmethod
-    def read_table(self, path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
+    def read_table(
+        self, path: str | os.PathLike, shown: Path, records: int | None = None, *, compressed: bool
+    ) -> np.ndarray:
         """The record table inside the shard at ``path`` (opened read-only, no lock files), checked for
-        the record-table dtype and ``records`` rows; errors are ``FormatError`` naming ``shown``."""
+        the record-table dtype and ``records`` rows; errors are ``FormatError`` naming ``shown``.
+        ``compressed``: stored by ``compressed_arrays`` (format version 5 on; ``ShardInfo.compressed``),
+        else as plain rows."""
 
     @abc.abstractmethod
     def read_arrays(
-        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str]
+        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str], *, compressed: bool
     ) -> dict[str, np.ndarray]:
-        """The named arrays stored beside the record table, each checked (a plain dtype from
-        ``records.ARRAY_DTYPES``, inside the file) before it is read; a missing one is a ``FormatError``."""
+        """The named arrays stored beside the record table (``compressed`` as for ``read_table``), each
+        checked (a plain dtype from ``records.ARRAY_DTYPES``, inside the file) before it is read; a
+        missing one is a ``FormatError``."""
 
     @abc.abstractmethod
     def read_records(

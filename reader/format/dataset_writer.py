@@ -135,4 +135,5 @@ def _publish(writer: ShardWriter, path: Path, arrays: dict[str, np.ndarray]) -> 
     except BaseException:
         writer.abort()
         raise
-    return ShardInfo(path.name, writer.num_records, os.path.getsize(path), file_checksum(path), writer.table_offset)
+    return ShardInfo(path.name, writer.num_records, os.path.getsize(path), file_checksum(path), writer.table_offset,
+                     writer.table_bytes)

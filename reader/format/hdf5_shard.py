@@ -1,8 +1,10 @@
 """HDF5 shards: every payload back to back in one contiguous uint8 dataset, plus the record table.
 
 ``/records`` is a flat, uncompressed, contiguous ``uint8`` dataset (a run of records is one byte range
-of the file); ``/table`` a compound dataset with ``RECORD_TABLE_DTYPE``. No timestamps are stored, so
-the same records give the same bytes.
+of the file); ``/table`` and each ``/arrays/NAME`` a contiguous ``uint8`` dataset holding the stored
+bytes of the record table and of the named array (``reader.format.compressed_arrays``; before format
+version 5, ``/table`` was a compound dataset with ``RECORD_TABLE_DTYPE`` and each array a dataset of
+its own dtype). No timestamps are stored, so the same records give the same bytes.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Iterator
 import h5py
 import numpy as np
 
+from reader.format.compressed_arrays import decompress_column, decompress_table
 from reader.format.container import Container, ShardWriter
 from reader.format.errors import FormatError
 from reader.format.records import RECORD_TABLE_DTYPE, check_array_layout, check_table_layout
@@ -59,11 +62,11 @@ class Hdf5ShardWriter(ShardWriter):
         within = np.concatenate([[0], np.cumsum(table["nbytes"][:-1], dtype=np.uint64)])
         return records.id.get_offset() + within.astype(np.uint64)
 
-    def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+    def _write_table(self, table: bytes, arrays: dict[str, bytes]) -> None:
         for name, array in sorted(arrays.items()):
-            self._file.create_dataset(f"{ARRAYS_GROUP}/{name}", data=np.ascontiguousarray(array), track_times=False)
-        rows = self._file.create_dataset(TABLE_DATASET, data=table, track_times=False)
-        self.table_offset = rows.id.get_offset()  # None unless stored contiguously (h5py's default)
+            self._file.create_dataset(f"{ARRAYS_GROUP}/{name}", data=_byte_array(array), track_times=False)
+        stored = self._file.create_dataset(TABLE_DATASET, data=_byte_array(table), track_times=False)
+        self.table_offset = stored.id.get_offset()  # None unless stored contiguously (h5py's default)
         self._close()
 
     def _close(self) -> None:
@@ -99,15 +102,33 @@ def internal_dataset(f: h5py.File, name: str, shown: object) -> h5py.Dataset:
     return dataset
 
 
-def read_hdf5_table(path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
+def _byte_array(stored: bytes) -> np.ndarray:
+    return np.frombuffer(stored, dtype=np.uint8)
+
+
+def _stored_bytes(dataset: h5py.Dataset, file_size: int, shown: object, what: str) -> bytes:
+    """The bytes a version-5 ``uint8`` dataset stores, refused unless it is one dimension of
+    ``uint8`` that the file can hold (an HDF5-compressed dataset claiming more would be inflated)."""
+    if dataset.dtype != np.uint8 or len(dataset.shape) != 1:
+        raise FormatError(f"{shown}: {what} is a dataset of dtype {dataset.dtype} and shape {dataset.shape}, "
+                          "not the stored bytes of a compressed array")
+    if dataset.shape[0] > file_size:
+        raise FormatError(f"{shown}: {what} claims {dataset.shape[0]} bytes, more than the file holds; refused")
+    return dataset[()].tobytes()
+
+
+def read_hdf5_table(path: str | os.PathLike, shown: Path, records: int | None, compressed: bool) -> np.ndarray:
     """The record table of the HDF5 shard at ``path`` (named ``shown`` in errors), checked for links
     and external storage, its dtype, ``records`` rows and a size the file can hold (a compressed
     table claiming a billion rows would otherwise be inflated into memory) before it is read."""
     try:
         with open_readonly(Path(path)) as f:
             table = internal_dataset(f, TABLE_DATASET, shown)
+            file_size = os.stat(path).st_size
+            if compressed:
+                return decompress_table(_stored_bytes(table, file_size, shown, "record table"), shown, records)
             check_table_layout(table.dtype, table.shape, shown, records)
-            if table.shape[0] * RECORD_TABLE_DTYPE.itemsize > os.stat(path).st_size:
+            if table.shape[0] * RECORD_TABLE_DTYPE.itemsize > file_size:
                 raise FormatError(f"{shown}: record table claims {table.shape[0]} rows, more than the file "
                                   "can hold uncompressed; refused")
             return table[()]
@@ -125,11 +146,13 @@ class Hdf5Container(Container):
     def writer(self, path: Path) -> ShardWriter:
         return Hdf5ShardWriter(path)
 
-    def read_table(self, path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
-        return read_hdf5_table(path, shown, records)
+    def read_table(
+        self, path: str | os.PathLike, shown: Path, records: int | None = None, *, compressed: bool
+    ) -> np.ndarray:
+        return read_hdf5_table(path, shown, records, compressed)
 
     def read_arrays(
-        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str]
+        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str], *, compressed: bool
     ) -> dict[str, np.ndarray]:
         arrays = {}
         try:
@@ -138,10 +161,15 @@ class Hdf5Container(Container):
                     raise FormatError(f"{shown}: HDF5 shard has no /{ARRAYS_GROUP} group stored in this file")
                 for name in names:
                     dataset = internal_dataset(f, f"{ARRAYS_GROUP}/{name}", shown)
-                    check_array_layout(dataset.dtype, dataset.shape, shown, f"array {name}")
-                    if dataset.size * dataset.dtype.itemsize > file_size:
-                        raise FormatError(f"{shown}: array {name} claims more bytes than the file holds; refused")
-                    arrays[name] = dataset[()]
+                    if compressed:
+                        stored = _stored_bytes(dataset, file_size, shown, f"array {name}")
+                        arrays[name] = decompress_column(stored, shown, f"array {name}")
+                    else:
+                        check_array_layout(dataset.dtype, dataset.shape, shown, f"array {name}")
+                        if dataset.size * dataset.dtype.itemsize > file_size:
+                            raise FormatError(f"{shown}: array {name} claims more bytes than the file holds; "
+                                              "refused")
+                        arrays[name] = dataset[()]
         except HDF5_ERRORS as e:
             if isinstance(e, FormatError):
                 raise

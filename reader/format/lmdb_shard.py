@@ -5,15 +5,15 @@ Keys are 8-byte big-endian record numbers, so they sort in record order and are 
 next key's, back to back (format version 3 writes chunks of about ``_COMMIT_BYTES``; versions 1 and 2
 wrote one record per value, the same rule with chunks of one record). A chunk is one run of LMDB
 overflow pages, so the page rounding LMDB does to every value over ~2 KB is paid once per MiB instead
-of once per record. The table is stored as ``.npy`` bytes under ``TABLE_KEY``, which sorts after every
-record key, and records each payload's byte offset in the file as LMDB's map held it after the last
-record commit. Why those offsets stay true although the table's own commit follows (large values never
-move; a copied leaf page is never overwritten): FORMAT.md.
+of once per record. The table is stored under ``TABLE_KEY``, which sorts after every record key
+(compressed, ``reader.format.compressed_arrays``; ``.npy`` bytes before format version 5), and records
+each payload's byte offset in the file as LMDB's map held it after the last record commit. Why those
+offsets stay true although the table's own commit follows (large values never move; a copied leaf page
+is never overwritten): FORMAT.md.
 """
 from __future__ import annotations
 
 import errno
-import io
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +22,7 @@ from typing import Iterator
 import lmdb
 import numpy as np
 
+from reader.format.compressed_arrays import decompress_column, decompress_table
 from reader.format.container import Container, ShardWriter
 from reader.format.errors import FormatError
 from reader.format.lmdb_pages import check_lmdb_meta, paged_values
@@ -45,12 +46,6 @@ def record_key(index: int) -> bytes:
 def array_key(name: str) -> bytes:
     """The key of a named array: after every record key, before ``TABLE_KEY``."""
     return ARRAY_KEY_PREFIX + name.encode()
-
-
-def _npy_bytes(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    return buf.getvalue()
 
 
 def open_readonly(path: Path) -> lmdb.Environment:
@@ -133,15 +128,12 @@ class LmdbShardWriter(ShardWriter):
                 raise RuntimeError(f"{self.tmp_path}: could not locate LMDB payloads in the file")
         return offsets
 
-    def _write_table(self, table: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
-        blob = _npy_bytes(table)
-        self._put([(array_key(name), _npy_bytes(array)) for name, array in sorted(arrays.items())]
-                  + [(TABLE_KEY, blob)])
+    def _write_table(self, table: bytes, arrays: dict[str, bytes]) -> None:
+        self._put(sorted((array_key(name), array) for name, array in arrays.items()) + [(TABLE_KEY, table)])
         self._env.sync(True)
         with self._env.begin(buffers=True) as txn:
             view = txn.get(TABLE_KEY)
-            offset = None if view is None else FileMappings(self.tmp_path).file_offset(view)
-        self.table_offset = None if offset is None else offset + len(blob) - table.nbytes  # past the .npy header
+            self.table_offset = None if view is None else FileMappings(self.tmp_path).file_offset(view)
         self._close()
 
     def _as_os_error(self, error: Exception) -> OSError | None:
@@ -255,16 +247,16 @@ def _checked_values(path: str | os.PathLike, file_size: int, shown: Path) -> Ite
         env.close()
 
 
-def read_lmdb_table(path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
+def read_lmdb_table(path: str | os.PathLike, shown: Path, records: int | None, compressed: bool) -> np.ndarray:
     """The record table of the LMDB shard at ``path`` (named ``shown`` in errors), checked before
-    anything is allocated: meta pages inside the file, the value inside the file, an ``.npy`` header of
-    the record-table dtype and ``records`` rows. Read with ``pread`` (``reader.format.lmdb_pages``),
-    never through a map, so a shard truncated under the reader is a ``FormatError``, not ``SIGBUS``."""
+    anything is allocated: meta pages inside the file, the value inside the file, a header of the
+    record-table dtype and ``records`` rows. Read with ``pread`` (``reader.format.lmdb_pages``), never
+    through a map, so a shard truncated under the reader is a ``FormatError``, not ``SIGBUS``."""
     with paged_values(path, os.stat(path).st_size, shown) as values:
         blob = values.get(TABLE_KEY, "record table")
     if blob is None:
         raise FormatError(f"{shown}: LMDB shard has no record table (key {TABLE_KEY!r})")
-    return parse_npy_table(blob, shown, records)
+    return decompress_table(blob, shown, records) if compressed else parse_npy_table(blob, shown, records)
 
 
 class LmdbContainer(Container):
@@ -274,19 +266,22 @@ class LmdbContainer(Container):
     def writer(self, path: Path) -> ShardWriter:
         return LmdbShardWriter(path)
 
-    def read_table(self, path: str | os.PathLike, shown: Path, records: int | None = None) -> np.ndarray:
-        return read_lmdb_table(path, shown, records)
+    def read_table(
+        self, path: str | os.PathLike, shown: Path, records: int | None = None, *, compressed: bool
+    ) -> np.ndarray:
+        return read_lmdb_table(path, shown, records, compressed)
 
     def read_arrays(
-        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str]
+        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str], *, compressed: bool
     ) -> dict[str, np.ndarray]:
         arrays = {}
+        parse = decompress_column if compressed else parse_npy_array
         with paged_values(path, file_size, shown) as values:
             for name in names:
                 blob = values.get(array_key(name), f"array {name}")
                 if blob is None:
                     raise FormatError(f"{shown}: LMDB shard has no array {name!r}")
-                arrays[name] = parse_npy_array(blob, shown, f"array {name}")
+                arrays[name] = parse(blob, shown, f"array {name}")
         return arrays
 
     def read_records(

@@ -18,10 +18,11 @@ from reader.format.manifest_schema import check_manifest_data
 from reader.format.records import RECORD_TABLE_DTYPE
 
 FORMAT_NAME = "packed-images"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # version 1: no source paths, no fields, every record labelled; 1-2: one LMDB value per record, no manifest
-# checksum; 1-3: no table_offset (readers look every record table up in its container)
-READABLE_VERSIONS = (1, 2, 3, 4)
+# checksum; 1-3: no table_offset (readers look every record table up in its container); 1-4: tables and
+# columns stored uncompressed (no table_bytes)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
@@ -37,21 +38,29 @@ MAX_MANIFEST_VALUES = 20_000_000
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One shard file: its name relative to the dataset directory, record count, size and checksum,
-    and (version 4) where its record table's rows lie in it: ``table_offset``, or None where the
-    table must be looked up in the container (shards written before version 4, or by a container that
-    cannot say)."""
+    """One shard file: its name relative to the dataset directory, record count, size and checksum;
+    (version 4) where its record table lies in it: ``table_offset``, or None where the table must be
+    looked up in the container (shards written before version 4, or by a container that cannot say);
+    and (version 5) the length of its stored table, ``table_bytes``: a shard with one stores its table
+    and columns compressed (``compressed_arrays``), one without (None: written before version 5, kept
+    by an append) stores them as plain rows and ``.npy`` columns."""
 
     file: str
     records: int
     bytes: int
     checksum: str
     table_offset: int | None = None
+    table_bytes: int | None = None
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the shard stores its record table and columns compressed (format version 5 on)."""
+        return self.table_bytes is not None
 
     @property
     def table_nbytes(self) -> int:
-        """The bytes of the record table's rows (those at ``table_offset``)."""
-        return self.records * RECORD_TABLE_DTYPE.itemsize
+        """The bytes the shard stores its record table in (those at ``table_offset``)."""
+        return self.table_bytes if self.table_bytes is not None else self.records * RECORD_TABLE_DTYPE.itemsize
 
 
 @dataclass
@@ -107,9 +116,11 @@ class Manifest:
         data["fields"] = [field.to_json() for field in self.fields]
         if self.format_version == 1:  # a version-1 manifest read back is written as it was
             del data["fields"], data["labelled"]
-        if self.format_version < 4:
-            for shard in data["shards"]:
+        for shard in data["shards"]:
+            if self.format_version < 4:
                 del shard["table_offset"]
+            if self.format_version < 5:
+                del shard["table_bytes"]
         data["class_to_idx"] = self.class_to_idx
         data["num_records"] = self.num_records
         if self.format_version >= 3:

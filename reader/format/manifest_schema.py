@@ -16,6 +16,7 @@ from reader.format.registry import ENCODINGS, STORAGES
 
 SHARD_KEYS: dict[str, type | tuple[type, ...]] = {"file": str, "records": int, "bytes": int, "checksum": str}
 SHARD_KEYS_V4 = {**SHARD_KEYS, "table_offset": (int, type(None))}  # version 4 adds where the table lies
+SHARD_KEYS_V5 = {**SHARD_KEYS_V4, "table_bytes": (int, type(None))}  # version 5: its length, compressed
 _FIELDS: dict[str, type | tuple[type, ...]] = {
     "format": str, "format_version": int, "tool_version": str, "storage": str, "encoding": str,
     "jpeg_quality": (int, type(None)), "shape": (list, type(None)), "classes": list, "shards": list,
@@ -46,7 +47,9 @@ def check_manifest_data(data: dict[str, Any], origin: str) -> None:
         raise FormatError(f"{origin}: unknown encoding {data['encoding']!r} (expected one of {', '.join(ENCODINGS)})")
     _check_shape(data["shape"], origin)
     _check_classes(data["classes"], origin)
-    _check_shards(data["shards"], SHARD_KEYS_V4 if data["format_version"] >= 4 else SHARD_KEYS, origin)
+    version = data["format_version"]
+    _check_shards(data["shards"], SHARD_KEYS_V5 if version >= 5 else SHARD_KEYS_V4 if version >= 4 else SHARD_KEYS,
+                  origin)
     _check_source(data["source"], origin)
     if data.get("format_version") == 1 and ("fields" in data or "labelled" in data):
         raise FormatError(f"{origin}: fields and labelled are version-2 keys, in a version-1 manifest")
@@ -103,8 +106,8 @@ def _check_shards(shards: list[Any], keys: dict[str, type | tuple[type, ...]], o
             raise FormatError(f"{origin}: {where} has keys {sorted(shard)}, expected {sorted(keys)}")
         for key, kind in keys.items():
             _check_type(shard[key], kind, origin, f"{where}.{key}")
-        if shard["records"] < 0 or shard["bytes"] < 0 or (shard.get("table_offset") or 0) < 0:
-            raise FormatError(f"{origin}: {where} has a negative record count, size or table offset")
+        if min(shard["records"], shard["bytes"], shard.get("table_offset") or 0, shard.get("table_bytes") or 0) < 0:
+            raise FormatError(f"{origin}: {where} has a negative record count, size, table offset or table length")
         check_plain_name(shard["file"], origin)
         if shard["file"] in names:
             raise FormatError(f"{origin}: shard file {shard['file']!r} is listed twice")

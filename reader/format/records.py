@@ -60,6 +60,24 @@ def table_problems(
     return [(what, np.flatnonzero(bad)) for what, bad in checks if bad.any()]
 
 
+def offsets_as_gaps(table: np.ndarray) -> np.ndarray:
+    """A copy of ``table`` whose ``offset`` is each payload's gap after the previous one's end (the
+    first: its offset), in wrapping unsigned arithmetic so that any table round-trips exactly."""
+    stored = table.copy()
+    ends = table["offset"] + table["nbytes"]
+    stored["offset"][1:] = table["offset"][1:] - ends[:-1]
+    return stored
+
+
+def offsets_from_gaps(stored: np.ndarray) -> np.ndarray:
+    """The table ``offsets_as_gaps`` stored: offsets back from the gaps and the lengths."""
+    table = stored.copy()
+    steps = stored["offset"].copy()
+    steps[1:] += stored["nbytes"][:-1]
+    table["offset"] = np.cumsum(steps, dtype=np.uint64)
+    return table
+
+
 def _overlapping(offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     """Rows whose payload starts before the previous payload (in file order) ends."""
     order = np.argsort(offset, kind="stable")
@@ -79,7 +97,7 @@ def parse_npy_table(blob: bytes, shown: object, records: int | None = None) -> n
     header says the record-table dtype, one dimension (of ``records`` rows when given) and exactly
     the bytes that follow: a damaged header never allocates what it claims nor raises a parser's
     own error."""
-    shape, fortran, dtype, body = _npy_parts(blob, shown, "record table")
+    shape, fortran, dtype, body = npy_parts(blob, shown, "record table")
     check_table_layout(dtype, shape, shown, records, fortran)
     return _npy_body(body, shape, dtype, shown, "record table")
 
@@ -88,7 +106,7 @@ def parse_npy_array(blob: bytes, shown: object, what: str) -> np.ndarray:
     """A named array from ``.npy`` bytes, refused with ``FormatError`` unless its dtype is one of
     ``ARRAY_DTYPES`` (no objects, so nothing is ever unpickled), C order, and the bytes that follow
     are exactly its size."""
-    shape, fortran, dtype, body = _npy_parts(blob, shown, what)
+    shape, fortran, dtype, body = npy_parts(blob, shown, what)
     check_array_layout(dtype, shape, shown, what, fortran)
     return _npy_body(body, shape, dtype, shown, what)
 
@@ -108,7 +126,9 @@ def is_plain_column(dtype: np.dtype, shape: tuple[int, ...]) -> bool:
     return dtype in ARRAY_DTYPES and len(shape) <= 2
 
 
-def _npy_parts(blob: bytes, shown: object, what: str) -> tuple[tuple[int, ...], bool, np.dtype, bytes]:
+def npy_parts(blob: bytes, shown: object, what: str) -> tuple[tuple[int, ...], bool, np.dtype, bytes]:
+    """A ``.npy`` blob's shape, Fortran flag, dtype and the bytes after its header; ``FormatError``
+    naming ``shown`` and ``what`` for a header numpy cannot parse safely."""
     stream = io.BytesIO(blob)
     try:
         version = np.lib.format.read_magic(stream)

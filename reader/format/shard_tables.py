@@ -1,5 +1,5 @@
 """A dataset shard's record table, read after the file itself is checked: at the manifest's
-``table_offset`` in one ``pread`` (format version 4), else through its container."""
+``table_offset`` in one ``pread`` (format version 4 on), else through its container; and its columns."""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from reader.format import registry
+from reader.format.compressed_arrays import decompress_table
 from reader.format.errors import FormatError
 from reader.format.fields import SOURCE, Column, FieldSpec, column_names, printable, read_record_columns
 from reader.format.manifest import ShardInfo, file_checksum
@@ -45,7 +46,8 @@ def load_shard_table(
         if checksum and file_checksum(fd_path(fd)) != shard.checksum:
             raise FormatError(f"{path}: checksum mismatch (the file is corrupt or changed)")
         if shard.table_offset is None:
-            table = registry.container(storage).read_table(fd_path(fd), path, shard.records)
+            table = registry.container(storage).read_table(fd_path(fd), path, shard.records,
+                                                           compressed=shard.compressed)
         else:
             table = table_at_offset(fd, shard, identity.size, path)
     problems = table_problems(table, num_classes, registry.encoding(encoding), shape, identity.size)
@@ -57,8 +59,9 @@ def load_shard_table(
 
 
 def table_at_offset(fd: int, shard: ShardInfo, file_size: int, shown: Path) -> np.ndarray:
-    """The record table's rows at ``shard.table_offset`` of the open shard file ``fd``, which must lie
-    inside its ``file_size`` bytes (else ``FormatError`` naming ``shown``)."""
+    """The record table stored at ``shard.table_offset`` of the open shard file ``fd`` (compressed, or
+    plain rows before format version 5), which must lie inside its ``file_size`` bytes (else
+    ``FormatError`` naming ``shown``)."""
     offset, nbytes = shard.table_offset, shard.table_nbytes
     assert offset is not None
     if offset + nbytes > file_size:
@@ -68,6 +71,8 @@ def table_at_offset(fd: int, shard: ShardInfo, file_size: int, shown: Path) -> n
     if len(rows) != nbytes:
         raise FormatError(f"{shown}: the file ends inside its record table (it shrank after it was checked: "
                           "rewritten in place while it was read?)")
+    if shard.compressed:
+        return decompress_table(rows, shown, shard.records)
     return np.frombuffer(rows, dtype=RECORD_TABLE_DTYPE)
 
 
@@ -87,5 +92,6 @@ def load_shard_columns(
     checked file like its table, each checked against the shard's record count."""
     path = root / shard.file
     with checked_shard(root, shard) as (fd, identity):
-        arrays = registry.container(storage).read_arrays(fd_path(fd), identity.size, path, column_names(fields))
+        arrays = registry.container(storage).read_arrays(fd_path(fd), identity.size, path, column_names(fields),
+                                                         compressed=shard.compressed)
     return read_record_columns(fields, arrays, shard.records, path)

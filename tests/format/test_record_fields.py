@@ -2,6 +2,7 @@
 more columns, JSON Lines), fields in batches, unlabelled datasets, format versions."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ from PIL import Image
 import packer
 from packer.errors import PackError
 from reader import CUDAPrefetcher, PackedDataset, make_loader
-from reader.format import FormatError, container, load_manifest
+from reader.format import DatasetWriter, FormatError, container, load_manifest
 from reader.format.fields import FieldSpec
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -59,7 +60,7 @@ def test_every_field_type_round_trips(tmp_path: Path, storage: str, encoding: st
         ("id", "int"), ("score", "float"), ("caption", "str"), ("tags", "labels"), ("codes", "labels"),
         ("emb", "vector"), ("boxes", "boxes")]
     assert manifest.fields[3].classes == ("indoor", "night", "outdoor") and manifest.fields[5].length == 4
-    assert len(manifest.shards) > 1 and manifest.format_version == 4
+    assert len(manifest.shards) > 1 and manifest.format_version == 5
     ds = PackedDataset(tmp_path / "out")
     for k, row in enumerate(rows()):
         pixels, label = ds[k]
@@ -230,12 +231,40 @@ def test_format_version_4_datasets_still_open_with_their_sources_and_fields() ->
         assert packer.verify(FIXTURES / f"v4-{storage}", deep=True, progress=False).ok
 
 
+def test_version_4_and_5_shards_in_one_dataset(tmp_path: Path) -> None:
+    """What an append to a version-4 dataset makes: its shards keep their plain tables and columns
+    (``table_bytes`` null) beside compressed version-5 shards, each read its own way."""
+    for storage in ("lmdb", "hdf5"):
+        old = load_manifest(FIXTURES / f"v4-{storage}")
+        writer = DatasetWriter(tmp_path / storage, storage, 1 << 20, fields=old.fields,
+                               shard_name=lambda number: f"new-{number}{container(storage).suffix}")
+        for k in range(5, 8):
+            pixels = (np.arange(3 * 8 * 6).reshape(3, 8, 6) * (k + 1) % 256).astype(np.uint8)
+            writer.add(pixels.tobytes(), k % 2, 8, 6, source=f"new/img_{k}.png",
+                       fields={"id": 100 + k, "caption": f"picture {k}", "box": [[float(k)] * 4] * (k % 3)})
+        new_shards = writer.finish_shards()
+        for shard in old.shards:
+            shutil.copy(FIXTURES / f"v4-{storage}" / shard.file, tmp_path / storage / shard.file)
+        dataclasses.replace(old, shards=old.shards + new_shards, format_version=5,
+                            source={**old.source, "files": 8, "packed": 8}).write(tmp_path / storage)
+        ds = PackedDataset(tmp_path / storage)
+        assert ds.manifest.format_version == 5 and [s.compressed for s in ds.manifest.shards] == [False] * 2 + [True]
+        for k in range(8):
+            pixels, label = ds[k]
+            expected = (np.arange(3 * 8 * 6).reshape(3, 8, 6) * (k + 1) % 256).astype(np.uint8)
+            assert label == k % 2 and torch.equal(pixels, torch.from_numpy(expected))
+            assert ds.source(k) == (f"{['cat', 'dog'][k % 2]}/img_{k}.png" if k < 5 else f"new/img_{k}.png")
+            assert ds.fields(k) == {"id": 100 + k, "caption": f"picture {k}", "box": [[float(k)] * 4] * (k % 3)}
+        assert packer.verify(tmp_path / storage, deep=True, progress=False).ok
+
+
 def test_a_reader_refuses_a_format_version_it_does_not_know(tmp_path: Path) -> None:
-    dst = tmp_path / "v5"
+    dst = tmp_path / "v6"
     shutil.copytree(FIXTURES / "v1-lmdb", dst)
     manifest = dst / "manifest.json"
-    manifest.write_text(manifest.read_text().replace('"format_version": 1', '"format_version": 5'))
-    with pytest.raises(FormatError, match=r"format version 5 is not supported \(this reader reads versions 1, 2, 3, 4"):
+    manifest.write_text(manifest.read_text().replace('"format_version": 1', '"format_version": 6'))
+    supported = r"format version 6 is not supported \(this reader reads versions 1, 2, 3, 4, 5\b"
+    with pytest.raises(FormatError, match=supported):
         load_manifest(dst)
 
 
@@ -280,7 +309,7 @@ def test_a_source_path_with_control_characters_stays_on_one_line(tmp_path: Path)
     packer.pack_items(items, tmp_path / "out", storage="hdf5", encoding="jpeg", workers=0, progress=False)
     manifest = load_manifest(tmp_path / "out")
     shard = tmp_path / "out" / manifest.shards[0].file
-    offset = int(container(manifest.storage).read_table(shard, shard)[1]["offset"])
+    offset = int(container(manifest.storage).read_table(shard, shard, compressed=True)[1]["offset"])
     with open(shard, "r+b") as f:  # record 1's JPEG no longer decodes
         f.seek(offset)
         f.write(b"\0" * 64)

@@ -21,6 +21,7 @@ from packer.errors import PackError
 from packer.source.labels_file import declare_field
 from reader import PackedDataset, make_loader
 from reader.format import DatasetWriter, FormatError, load_manifest
+from reader.format.compressed_arrays import compress_array, decompress_column
 from reader.format.fields import FieldSpec
 
 
@@ -30,7 +31,7 @@ def test_an_image_folder_records_each_source_path(make_packed_dataset, tmp_path:
     dst = make_packed_dataset(tmp_path, per_class=3, storage=storage, encoding=encoding, crop=24,
                               shard_size=1, partitions=2, workers=2)  # a shard per record
     ds = PackedDataset(dst)
-    assert ds.manifest.format_version == 4 and len(ds.manifest.shards) == 6
+    assert ds.manifest.format_version == 5 and len(ds.manifest.shards) == 6
     expected = [f"{name}/{i:03d}.png" for name in ("cat", "dog") for i in range(3)]
     assert [ds.source(k) for k in range(len(ds))] == expected
     assert ds.source(-1) == expected[-1] and ds.fields(0) == {}
@@ -197,7 +198,7 @@ def test_a_source_path_is_read_without_the_fields_columns(tmp_path: Path) -> Non
     shard = tmp_path / "out" / "shard-00000.h5"
     with h5py.File(shard, "r+") as f:
         del f["arrays/field.emb"]
-        f["arrays/field.emb"] = np.zeros((2, 2), np.int64)
+        f["arrays/field.emb"] = np.frombuffer(compress_array(np.zeros((2, 2), np.int64)), np.uint8)
     manifest = load_manifest(tmp_path / "out")  # the shard's new size, so that it opens
     manifest.shards = [dataclasses.replace(manifest.shards[0], bytes=shard.stat().st_size)]
     manifest.write(tmp_path / "out")
@@ -223,7 +224,13 @@ def test_a_label_field_holding_no_class_is_refused(tmp_path: Path, classes, stor
                   tool_version="test")
     shard = tmp_path / "out" / "shard-00000.h5"
     with h5py.File(shard, "r+") as f:
-        f["arrays/field.tags.values"][0] = stored
+        values = decompress_column(f["arrays/field.tags.values"][()].tobytes(), shard, "values")
+        values[0] = stored
+        del f["arrays/field.tags.values"]
+        f["arrays/field.tags.values"] = np.frombuffer(compress_array(values), np.uint8)
+    manifest = load_manifest(tmp_path / "out")  # the shard's new size, so that it opens
+    manifest.shards = [dataclasses.replace(manifest.shards[0], bytes=shard.stat().st_size)]
+    manifest.write(tmp_path / "out")
     with pytest.raises(FormatError, match=rf"{shard}: column field.tags {message}"):
         PackedDataset(tmp_path / "out").fields(0)
 

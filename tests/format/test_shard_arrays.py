@@ -3,7 +3,6 @@ record table's offsets stay true when large arrays share the table's commit, and
 array is a ``FormatError`` naming the shard and the array."""
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import h5py
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 from reader.format import STORAGES, FormatError, container
+from reader.format.compressed_arrays import compress_array
 from reader.format.lmdb_shard import array_key
 
 ARRAYS = {
@@ -19,7 +19,8 @@ ARRAYS = {
     "floats": np.linspace(0, 1, 6, dtype="<f8"),
     "vectors": np.arange(12, dtype="<f4").reshape(6, 2),
     "bytes": np.frombuffer("dir/ü.png".encode(), dtype=np.uint8),
-    "big": np.arange(200_000, dtype="<i8") * 7,  # 1.6 MB: LMDB overflow pages in the table's commit
+    # 1.6 MB that deflate cannot shrink: LMDB overflow pages in the table's commit
+    "big": np.random.default_rng(0).integers(0, 1 << 62, 200_000, dtype="<i8"),
 }
 
 
@@ -38,10 +39,10 @@ def test_named_arrays_round_trip_and_the_table_offsets_stay_true(tmp_path: Path,
     shard = tmp_path / f"shard{container(storage).suffix}"
     payloads = write_shard(shard, ARRAYS)
     size = shard.stat().st_size
-    arrays = container(storage).read_arrays(shard, size, shard, list(ARRAYS))
+    arrays = container(storage).read_arrays(shard, size, shard, list(ARRAYS), compressed=True)
     for name, array in ARRAYS.items():
         assert arrays[name].dtype == array.dtype and np.array_equal(arrays[name], array), name
-    table = container(storage).read_table(shard, shard, len(payloads))
+    table = container(storage).read_table(shard, shard, len(payloads), compressed=True)
     data = shard.read_bytes()
     assert [data[o : o + n] for o, n in zip(table["offset"].tolist(), table["nbytes"].tolist())] == payloads
     assert list(container(storage).read_records(shard, size, shard, table)) == payloads
@@ -52,21 +53,21 @@ def test_a_missing_array_is_a_format_error_naming_the_shard_and_the_array(tmp_pa
     shard = tmp_path / f"shard{container(storage).suffix}"
     write_shard(shard, {"ints": ARRAYS["ints"]})
     with pytest.raises(FormatError, match=rf"^{shard}: .*(array 'absent'|/arrays/absent)"):
-        container(storage).read_arrays(shard, shard.stat().st_size, shard, ["ints", "absent"])
+        container(storage).read_arrays(shard, shard.stat().st_size, shard, ["ints", "absent"], compressed=True)
 
 
 def store(shard: Path, name: str, stored: np.ndarray | h5py.ExternalLink) -> None:
-    """Put ``stored`` in place of the shard's array ``name``, as a damaged or hostile file would."""
+    """Put ``stored`` (compressed as a writer would) in place of the shard's array ``name``, as a damaged
+    or hostile file would."""
+    blob = stored if isinstance(stored, h5py.ExternalLink) else compress_array(stored)
     if shard.suffix == ".h5":
         with h5py.File(shard, "r+") as f:
             del f[f"arrays/{name}"]
-            f[f"arrays/{name}"] = stored
+            f[f"arrays/{name}"] = blob if isinstance(blob, h5py.ExternalLink) else np.frombuffer(blob, np.uint8)
         return
-    buf = io.BytesIO()
-    np.save(buf, stored, allow_pickle=False)
     env = lmdb.open(str(shard), subdir=False, lock=False)
     with env.begin(write=True) as txn:
-        txn.put(array_key(name), buf.getvalue())
+        txn.put(array_key(name), blob)
     env.close()
 
 
@@ -83,7 +84,7 @@ def test_an_array_of_another_dtype_or_shape_is_refused(
     write_shard(shard, {"ints": ARRAYS["ints"]})
     store(shard, "ints", stored)
     with pytest.raises(FormatError, match=rf"^{shard}: {message}"):
-        container(storage).read_arrays(shard, shard.stat().st_size, shard, ["ints"])
+        container(storage).read_arrays(shard, shard.stat().st_size, shard, ["ints"], compressed=True)
 
 
 def test_an_hdf5_array_linked_to_another_file_is_refused(tmp_path: Path) -> None:
@@ -93,7 +94,7 @@ def test_an_hdf5_array_linked_to_another_file_is_refused(tmp_path: Path) -> None
     write_shard(shard, {"ints": ARRAYS["ints"]})
     store(shard, "ints", h5py.ExternalLink(str(tmp_path / "other.h5"), "ints"))
     with pytest.raises(FormatError, match=rf"^{shard}: /arrays/ints is externallink, not a dataset stored in this"):
-        container("hdf5").read_arrays(shard, shard.stat().st_size, shard, ["ints"])
+        container("hdf5").read_arrays(shard, shard.stat().st_size, shard, ["ints"], compressed=True)
 
 
 @pytest.mark.parametrize("storage", STORAGES)

@@ -1,6 +1,7 @@
-"""Format version 4: the manifest says where each shard's record table lies (``table_offset``), so a
-reader reads a table in one ``pread``; version-3 datasets still look it up in the container, and
-``packer verify`` checks that both places hold the same table."""
+"""Format version 4 on: the manifest says where each shard's record table lies (``table_offset``, and
+from version 5 its compressed length, ``table_bytes``), so a reader reads a table in one ``pread``;
+version-3 datasets still look it up in the container, and ``packer verify`` checks that both places
+hold the same table."""
 from __future__ import annotations
 
 import json
@@ -11,15 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hostile_helpers import edit_manifest
 from reader_helpers import make_images, pack_images
 
 import packer
 import reader.shard_io
 from reader import PackedDataset
 from reader.format import FormatError, container
+from reader.format.compressed_arrays import compress_table, decompress_table
 from reader.format.manifest import manifest_checksum
 
 COUNT = 37
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 @pytest.fixture(scope="module", params=["lmdb", "hdf5"])
@@ -45,12 +49,15 @@ def copy_with_manifest(src: Path, dst: Path, edit) -> Path:
 
 def test_each_shard_records_where_its_table_lies(packed: Path) -> None:
     ds = PackedDataset(packed)
-    assert ds.manifest.format_version == 4 and len(ds.manifest.shards) == 3
+    assert ds.manifest.format_version == 5 and len(ds.manifest.shards) == 3
     for shard in ds.manifest.shards:
-        table = container(ds.manifest.storage).read_table(packed / shard.file, packed / shard.file, shard.records)
+        table = container(ds.manifest.storage).read_table(packed / shard.file, packed / shard.file, shard.records,
+                                                          compressed=True)
         with open(packed / shard.file, "rb") as f:
             f.seek(shard.table_offset)
-            assert f.read(table.nbytes) == table.tobytes()
+            stored = f.read(shard.table_bytes)
+        assert stored == compress_table(table) and decompress_table(stored, "", shard.records).tobytes() \
+            == table.tobytes()
 
 
 def test_a_table_is_one_read(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,7 +67,7 @@ def test_a_table_is_one_read(packed: Path, monkeypatch: pytest.MonkeyPatch) -> N
     ds = PackedDataset(packed)
     ds._load_table(1)
     shard = ds.manifest.shards[1]
-    assert reads == [(shard.records * 32, shard.table_offset)]
+    assert reads == [(shard.table_bytes, shard.table_offset)]
 
 
 def as_version_3(data: dict) -> None:
@@ -69,21 +76,28 @@ def as_version_3(data: dict) -> None:
         del shard["table_offset"]
 
 
+def version_3_copy(packed: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """The version-4 fixture of ``packed``'s storage, and a copy of it made a version-3 dataset (tables
+    only in the containers): the same shard files, which a version-3 packer wrote the same way."""
+    fixture = FIXTURES / f"v4-{PackedDataset(packed).manifest.storage}"
+    return fixture, copy_with_manifest(fixture, tmp_path / "v3", as_version_3)
+
+
 def test_version_3_datasets_look_their_tables_up_in_the_container(packed: Path, tmp_path: Path) -> None:
-    old = copy_with_manifest(packed, tmp_path / "v3", as_version_3)
-    ds, new = PackedDataset(old), PackedDataset(packed)
+    fixture, old = version_3_copy(packed, tmp_path)
+    ds, new = PackedDataset(old), PackedDataset(fixture)
     assert ds.manifest.format_version == 3 and {s.table_offset for s in ds.manifest.shards} == {None}
     assert ds.targets.tolist() == new.targets.tolist() and ds._offsets.tolist() == new._offsets.tolist()
-    for i in range(0, COUNT, 5):
-        assert torch.equal(ds[i][0], new[i][0])
+    for i in range(len(ds)):
+        assert torch.equal(ds[i][0], new[i][0]) and ds.source(i) == new.source(i)
     assert packer.verify(old, deep=True, progress=False).ok
 
 
 def test_a_table_offset_past_the_end_is_refused_naming_the_shard(packed: Path, tmp_path: Path) -> None:
     shards = json.loads((packed / "manifest.json").read_text())["shards"]
-    name, size, rows = shards[1]["file"], shards[1]["bytes"], 32 * shards[1]["records"]
+    name, size, stored = shards[1]["file"], shards[1]["bytes"], shards[1]["table_bytes"]
     bad = copy_with_manifest(packed, tmp_path / "bad", lambda data: data["shards"][1].update(table_offset=size - 100))
-    with pytest.raises(FormatError, match=rf"^{bad / name}: the manifest puts the record table's {rows} bytes at "
+    with pytest.raises(FormatError, match=rf"^{bad / name}: the manifest puts the record table's {stored} bytes at "
                                           rf"offset {size - 100}, past the end of the file \({size} bytes\)$"):
         PackedDataset(bad).targets
     report = packer.verify(bad, progress=False)
@@ -91,9 +105,22 @@ def test_a_table_offset_past_the_end_is_refused_naming_the_shard(packed: Path, t
 
 
 def test_a_table_offset_that_points_elsewhere_is_caught(packed: Path, tmp_path: Path) -> None:
-    """Rows read from the wrong place fail the table's checks when read; ``verify`` names the disagreement."""
+    """Bytes read from the wrong place are not a stored table; ``verify`` names the shard."""
     name = json.loads((packed / "manifest.json").read_text())["shards"][0]["file"]
     bad = copy_with_manifest(packed, tmp_path / "bad", lambda data: data["shards"][0].update(table_offset=0))
+    with pytest.raises(FormatError, match=rf"^{bad / name}: record table is not valid \.npy data"):
+        PackedDataset(bad).targets
+    report = packer.verify(bad, progress=False)
+    assert any(problem.startswith(f"{name}: record table unreadable ({bad / name}: record table is not valid")
+               for problem in report.problems), report.problems
+
+
+def test_a_version_4_table_offset_that_points_elsewhere_is_caught(packed: Path, tmp_path: Path) -> None:
+    """Plain rows (version 4) read from the wrong place fail the table's checks when read; ``verify``
+    names the disagreement with the container's table."""
+    fixture = FIXTURES / f"v4-{PackedDataset(packed).manifest.storage}"
+    name = json.loads((fixture / "manifest.json").read_text())["shards"][0]["file"]
+    bad = copy_with_manifest(fixture, tmp_path / "bad", lambda data: data["shards"][0].update(table_offset=0))
     with pytest.raises(FormatError, match=rf"^{bad / name}: record \d+"):
         PackedDataset(bad).targets
     report = packer.verify(bad, progress=False)
@@ -102,7 +129,7 @@ def test_a_table_offset_that_points_elsewhere_is_caught(packed: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("offset, message", [
-    (-1, "has a negative record count, size or table offset"),
+    (-1, "has a negative record count, size, table offset or table length"),
     ("12", "table_offset is a str ('12'), expected int or null"),
 ])
 def test_a_bad_table_offset_value_is_named(packed: Path, tmp_path: Path, offset: object, message: str) -> None:
@@ -125,12 +152,18 @@ def test_join_keeps_each_shard_s_table_offset(packed: Path, tmp_path: Path) -> N
 
 
 def test_lying_rows_at_the_table_offset_are_refused_naming_the_record(packed: Path, tmp_path: Path) -> None:
-    """The rows read at ``table_offset`` pass the same checks as a table read from the container."""
+    """The table read at ``table_offset`` passes the same checks as a table read from the container."""
+    shard = PackedDataset(packed).manifest.shards[0]
+    table = container(PackedDataset(packed).manifest.storage).read_table(packed / shard.file, packed / shard.file,
+                                                                       compressed=True)
+    table[1]["label"] = 99
+    lying = compress_table(table)
     bad = Path(shutil.copytree(packed, tmp_path / "bad"))
-    shard = PackedDataset(bad).manifest.shards[0]
     with open(bad / shard.file, "r+b") as f:
-        f.seek(shard.table_offset + 32 + 16)  # row 1's label
-        f.write((99).to_bytes(8, "little"))
+        f.seek(shard.table_offset)
+        f.write(lying)
+    size = (bad / shard.file).stat().st_size
+    edit_manifest(bad, lambda data: data["shards"][0].update(table_bytes=len(lying), bytes=size))
     with pytest.raises(FormatError, match=rf"^{bad / shard.file}: record 1\b.*label is not a class index"):
         PackedDataset(bad).targets
 
@@ -150,9 +183,9 @@ def test_tables_are_read_ahead_at_their_offsets_once(packed: Path, tmp_path: Pat
     shard_of_fd = {entry.fd: shard for shard, entry in ds._files._open.items()}
     shards = ds.manifest.shards
     assert [(shard_of_fd[fd], offset, length, kind) for fd, offset, length, kind in advice] == \
-        [(s, shards[s].table_offset, shards[s].records * 32, os.POSIX_FADV_WILLNEED) for s in (1, 2)]
+        [(s, shards[s].table_offset, shards[s].table_bytes, os.POSIX_FADV_WILLNEED) for s in (1, 2)]
     assert ds.targets.tolist() == PackedDataset(packed, readahead=False).targets.tolist()
-    old = copy_with_manifest(packed, tmp_path / "v3", as_version_3)
-    PackedDataset(old).read_tables_ahead(np.arange(COUNT))
+    _, old = version_3_copy(packed, tmp_path)
+    PackedDataset(old).read_tables_ahead(np.arange(5))
     PackedDataset(packed, readahead=False).read_tables_ahead(np.arange(COUNT))
     assert len(advice) == 2

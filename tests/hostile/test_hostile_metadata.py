@@ -3,9 +3,9 @@ Each is one ``FormatError`` naming the file (and the record), from the reader, `
 a shard replaced under an open dataset is noticed instead of served against the old table."""
 from __future__ import annotations
 
-import io
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +28,7 @@ from hostile_helpers import (
 import packer
 from reader import PackedDataset
 from reader.format import FormatError, container
+from reader.format.compressed_arrays import compress_table
 from reader.format.lmdb_shard import TABLE_KEY, array_key
 
 
@@ -67,7 +68,7 @@ def test_manifests_of_the_wrong_shape_are_one_format_error(tmp_path: Path, make_
         "deep nesting": write_manifest_bytes(b"[" * 200_000),
         "a list": write_manifest_bytes(b"[1, 2]"),
         "huge integer": write_manifest_bytes(
-            text.replace('"format_version": 4', '"format_version": 4' + "0" * 5000).encode()),
+            text.replace('"format_version": 5', '"format_version": 5' + "0" * 5000).encode()),
         "a flipped byte in a class name": write_manifest_bytes(
             text.replace('"cat"', '"cbt"').encode(), "does not match its checksum", "damaged or edited"),
         "no checksum": write_manifest_bytes(
@@ -111,7 +112,7 @@ def rewrite_table(change: Callable[[np.ndarray, int], object], *words: str) -> C
     """Apply ``change(table, file_size)`` to the first shard's record table, store it, fix the manifest."""
     def damage(dst: Path) -> tuple[str, ...]:
         shard = first_shard(dst)
-        table = container("lmdb" if shard.suffix == ".lmdb" else "hdf5").read_table(shard, shard)
+        table = container("lmdb" if shard.suffix == ".lmdb" else "hdf5").read_table(shard, shard, compressed=True)
         change(table, shard.stat().st_size)
         store_table(shard, table)
         set_manifest_bytes(dst, 0, shard.stat().st_size)
@@ -120,16 +121,15 @@ def rewrite_table(change: Callable[[np.ndarray, int], object], *words: str) -> C
 
 
 def store_table(shard: Path, table: np.ndarray | bytes) -> None:
-    """Put ``table`` (an array, or raw ``.npy`` bytes for LMDB) in place of the shard's record table."""
+    """Put ``table`` (an array, stored compressed as the writer would, or stored bytes for LMDB) in place
+    of the shard's record table."""
+    if isinstance(table, np.ndarray):
+        table = compress_table(table)
     if shard.suffix == ".h5":
         with h5py.File(shard, "r+") as f:
             del f["table"]
-            f["table"] = table
+            f["table"] = np.frombuffer(table, np.uint8)
         return
-    if isinstance(table, np.ndarray):
-        buf = io.BytesIO()
-        np.save(buf, table, allow_pickle=False)
-        table = buf.getvalue()
     env = lmdb.open(str(shard), subdir=False, lock=False)
     with env.begin(write=True) as txn:
         txn.put(TABLE_KEY, table)
@@ -187,8 +187,15 @@ def test_damaged_npy_tables_never_allocate_or_leak_parser_errors(tmp_path: Path,
         "object dtype": raw_lmdb_table(npy_bytes(b"{'descr': '|O', 'fortran_order': False, 'shape': (4,), }"),
                                        "dtype object"),
         "not npy": raw_lmdb_table(b"garbage", "not valid .npy"),
-        "too few bytes": raw_lmdb_table(npy_bytes(
-            f"{{'descr': {dtype}, 'fortran_order': False, 'shape': (4,), }}".encode()) + b"\0" * 10, "holds 10 bytes"),
+        "not a zlib stream": raw_lmdb_table(npy_bytes(
+            f"{{'descr': {dtype}, 'fortran_order': False, 'shape': (4,), }}".encode()) + b"\0" * 10,
+            "not a valid compressed array"),
+        "fewer bytes than the header says": raw_lmdb_table(npy_bytes(
+            f"{{'descr': {dtype}, 'fortran_order': False, 'shape': (4,), }}".encode()) + zlib.compress(b"\0" * 100),
+            "does not hold exactly the 128 bytes"),
+        "bytes after the stream": raw_lmdb_table(npy_bytes(
+            f"{{'descr': {dtype}, 'fortran_order': False, 'shape': (4,), }}".encode()) + zlib.compress(b"\0" * 128)
+            + b"more", "does not hold exactly the 128 bytes"),
     }))
 
 
@@ -208,11 +215,15 @@ def test_damaged_npy_arrays_never_allocate_or_leak_parser_errors(tmp_path: Path,
     """Shapes whose element count wraps around 64 bits, or has a negative side, against an empty body.
     The source column is read when asked for (``ds.source``), not to read pixels: ``verify`` reports it."""
     dst = make_packed_dataset(tmp_path, storage="lmdb", resize=16, crop=16, shard_size=4 * 768)
-    assert_all_refused(damaged_copies(dst, {
+    damages = {
         f"shape {shape}": raw_lmdb_array("source.values", npy_bytes(
             f"{{'descr': '|u1', 'fortran_order': False, 'shape': {shape}, }}".encode()), "source.values")
         for shape in ("(4294967296, 4294967296)", "(-1, 0)", "(0, -5)")
-    }, raising=()))
+    }
+    damages["a billion bytes claimed by a 2-byte stream"] = raw_lmdb_array("source.values", npy_bytes(
+        b"{'descr': '|u1', 'fortran_order': False, 'shape': (1000000000,), }") + b"\x78\xda",
+        "source.values claims 1000000000 bytes, more than its 2 compressed bytes can hold")
+    assert_all_refused(damaged_copies(dst, damages, raising=()))
 
 
 def repack_with_other_labels(src: Path, dst: Path) -> None:
@@ -258,7 +269,7 @@ def test_dataset_repacked_before_a_worker_opens_it_is_noticed(tmp_path: Path, ma
 
 def test_verify_full_refuses_a_flipped_payload_byte_that_tables_cannot_see(packed: Path) -> None:
     shard = first_shard(packed)
-    offset = int(container(packer.info(packed).storage).read_table(shard, shard)[1]["offset"])
+    offset = int(container(packer.info(packed).storage).read_table(shard, shard, compressed=True)[1]["offset"])
     flip_bytes(shard, np.array([offset + 100]))
     assert PackedDataset(packed)[1][1] == 0  # the label and table are intact; one pixel is not
     with pytest.raises(FormatError, match=rf"{shard.name}: checksum mismatch"):

@@ -20,6 +20,8 @@ from hostile_helpers import (
     tables_in_containers,
 )
 
+from reader.format import DatasetWriter
+
 FRACTIONS = [0.0, 0.1, 0.5, 0.9, 0.999]
 
 
@@ -133,11 +135,11 @@ def relink_table(
 
 
 def compressed_table_bomb(dst: Path) -> tuple[str, ...]:
-    """A gzip-compressed ``/table`` of a million rows (32 MB) in a file of a few KB, and a manifest that
-    agrees with it: refused before it is inflated."""
+    """An HDF5-compressed ``/table`` of a million bytes (the stored table, gzip-compressed by HDF5 itself)
+    in a file of a few KB, and a manifest that agrees with it: refused before it is inflated."""
     def bomb(f: h5py.File, table: np.ndarray, outside: Path) -> None:
         f.create_dataset("table", shape=(1_000_000,), dtype=table.dtype, chunks=(100_000,), compression="gzip")
-    names = relink_table(bomb, "more than the file can hold")(dst)
+    names = relink_table(bomb, "more than the file holds")(dst)
     edit_manifest(dst, lambda data: data["shards"][0].update(records=1_000_000))
     return names
 
@@ -149,7 +151,7 @@ def test_hdf5_tables_in_other_files_are_refused(tmp_path: Path, make_packed_data
         "soft link": relink_table(soft_link, "softlink"),
         "external raw storage": relink_table(external_storage, "external files"),
         "virtual dataset": relink_table(virtual_dataset, "virtual dataset"),
-        "a compressed table of a million rows": compressed_table_bomb,
+        "a compressed table of a million bytes": compressed_table_bomb,
     }))
 
 
@@ -184,13 +186,25 @@ def overflow_number(data: bytearray, node: int, page_size: int) -> None:
     data[first:first + 8] = (7).to_bytes(8, "little")
 
 
-def test_lmdb_trees_pointing_outside_the_file_are_refused_by_the_page_walk(
-    tmp_path: Path, make_packed_dataset: Callable[..., Path]
-) -> None:
+def lmdb_dataset_with_a_large_table(dst: Path) -> Path:
+    """Raw records of random sizes and classes in one LMDB shard: their record table stays larger than
+    half a page when compressed (about 4 bytes a record), so LMDB keeps it in overflow pages."""
+    rng = np.random.default_rng(0)
+    writer = DatasetWriter(dst, "lmdb", 10**7)
+    for k in range(800):
+        height, width = (int(side) for side in rng.integers(1, 33, 2))
+        writer.add(rng.integers(0, 256, 3 * height * width, dtype=np.uint8).tobytes(), int(rng.integers(100)),
+                   height, width, source=f"r/{k}.png")
+    manifest = writer.finish(encoding="raw", classes=[f"c{i}" for i in range(100)], shape=None, transform={},
+                             source={"kind": "test"}, tool_version="test")
+    assert manifest.shards[0].table_bytes > 4096
+    return dst
+
+
+def test_lmdb_trees_pointing_outside_the_file_are_refused_by_the_page_walk(tmp_path: Path) -> None:
     """The record table is looked up with ``pread`` (``reader.format.lmdb_pages``): every page and value
     it would read is checked against the meta page's last page first, every page's own number too."""
-    dst = tables_in_containers(make_packed_dataset(tmp_path, per_class=30, storage="lmdb", resize=16, crop=16,
-                                                   shard_size=10**6))
+    dst = tables_in_containers(lmdb_dataset_with_a_large_table(tmp_path / "packed"))
     assert_all_refused(damaged_copies(dst, {
         "the table's size past the file": damage_lmdb(table_size, "past the last page", "damaged"),
         "the table's overflow page past the file": damage_lmdb(table_page, "past the last page", "damaged"),

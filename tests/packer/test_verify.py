@@ -25,7 +25,7 @@ def flip_byte_in_record(dst: Path, shard: int, record: int, at: int) -> None:
     """Flip one payload byte of a record, found through the shard's record table."""
     manifest = load_manifest(dst)
     path = dst / manifest.shards[shard].file
-    row = container(manifest.storage).read_table(path, path)[record]
+    row = container(manifest.storage).read_table(path, path, compressed=manifest.shards[shard].compressed)[record]
     data = bytearray(path.read_bytes())
     data[int(row["offset"]) + at] ^= 0xFF
     path.write_bytes(bytes(data))
