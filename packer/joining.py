@@ -5,7 +5,9 @@ mean: storage, encoding, shape, JPEG quality, the pre-transform, and the classes
 a label is an index into ``classes``, so every input's class list must be the same as, or a leading
 part of, the longest one (CSV datasets with integer labels 0..7 and 0..9 join; ``[cat, dog]`` and
 ``[dog, cat]`` do not, nor do different names). Anything else is refused with a line naming the input
-and what differs.
+and what differs. Format versions 2 and later join into the newest of them (a reader of it reads every
+shard as it was written: ``ShardInfo.table_offset`` and ``table_bytes`` say how); a version-1 dataset,
+which stores no source paths, joins only version-1 datasets.
 
 The shard files are not rewritten: each is hard-linked into OUT when OUT is on the same file system
 (no bytes copied; the files are never written again once finished, so sharing them is safe), and
@@ -29,7 +31,7 @@ from packer.version import __version__
 from reader.format import Manifest, ShardInfo, load_manifest, shard_file_name
 from reader.format.durable import fsync_directory
 
-_MUST_MATCH = ("storage", "encoding", "shape", "jpeg_quality", "fields", "labelled", "format_version")
+_MUST_MATCH = ("storage", "encoding", "shape", "jpeg_quality", "fields", "labelled")
 _LINK_REFUSED = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
@@ -83,7 +85,7 @@ def _join(out: Path, paths: list[Path], manifests: list[Manifest], classes: list
         storage=first.storage, encoding=first.encoding, shape=first.shape, classes=classes, shards=shards,
         transform=first.transform, source=_joined_source(paths, manifests), tool_version=__version__,
         jpeg_quality=first.jpeg_quality, fields=first.fields, labelled=first.labelled,
-        format_version=first.format_version,
+        format_version=max(manifest.format_version for manifest in manifests),
     )
     joined.write(out)
     return JoinReport(joined, linked, len(shards) - linked)
@@ -95,6 +97,11 @@ def reconciled_classes(paths: list[Path], manifests: list[Manifest]) -> list[str
     widest = max(range(len(manifests)), key=lambda i: len(manifests[i].classes))
     longest = manifests[widest].classes
     for path, manifest in zip(paths[1:], manifests[1:]):
+        if manifest.has_sources != first.has_sources:
+            raise PackError(
+                f"{path}: format version {manifest.format_version} but {first_path}'s is {first.format_version}; "
+                "a version-1 dataset stores no source paths, so it joins only version-1 datasets (pack it again)"
+            )
         for key in _MUST_MATCH:
             if getattr(manifest, key) != getattr(first, key):
                 raise PackError(

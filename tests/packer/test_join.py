@@ -12,6 +12,7 @@ from pack_helpers import read_packed_records
 import packer
 from packer.cli import main
 from reader import PackedDataset
+from reader.format import DatasetWriter, load_manifest
 
 OPTIONS = {"resize": 16, "crop": 16, "workers": 0, "progress": False, "resampler": "pil"}
 
@@ -129,3 +130,28 @@ def test_the_old_merge_spelling_still_joins_with_a_note(tmp_path: Path, two_data
     assert result.exit_code == 0, result.output
     assert result.stderr == "note: `packer merge OUT A B ...` is now `packer join OUT A B ...`; this form will go\n"
     assert read_packed_records(tmp_path / "old") == read_packed_records(a) + read_packed_records(b)
+
+
+def test_datasets_of_format_versions_4_and_5_join_into_version_5(tmp_path: Path) -> None:
+    """Each shard keeps the layout it was written in; the joined manifest says how to read each."""
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "v4-lmdb"
+    old = load_manifest(fixture)
+    writer = DatasetWriter(tmp_path / "new", "lmdb", 1 << 20, fields=old.fields)
+    writer.add(bytes(3 * 8 * 6), 1, 8, 6, source="new/img.png", fields={"id": 7, "caption": "new", "box": []})
+    writer.finish(encoding="raw", classes=old.classes, shape=old.shape, transform=old.transform,
+                  source={"kind": "imagefolder", "root": "new", "files": 1, "packed": 1, "skipped": []},
+                  tool_version="test")
+    code, output = run("join", tmp_path / "out", fixture, tmp_path / "new")
+    assert code == 0, output
+    joined = PackedDataset(tmp_path / "out")
+    assert joined.manifest.format_version == 5
+    assert [s.compressed for s in joined.manifest.shards] == [False, False, True]
+    assert read_packed_records(tmp_path / "out") == read_packed_records(fixture) + read_packed_records(tmp_path / "new")
+    assert [joined.source(k) for k in (0, 5)] == [PackedDataset(fixture).source(0), "new/img.png"]
+    assert joined.fields(5) == {"id": 7, "caption": "new", "box": []}
+    assert packer.verify(tmp_path / "out", deep=True, progress=False).ok
+    version_1 = Path(__file__).resolve().parents[1] / "fixtures" / "v1-lmdb"
+    code, output = run("join", tmp_path / "out1", fixture, version_1)
+    assert code == 1 and output == (
+        f"Error: {version_1}: format version 1 but {fixture}'s is 4; a version-1 dataset stores no source "
+        "paths, so it joins only version-1 datasets (pack it again)\n")
