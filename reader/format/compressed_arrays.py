@@ -41,7 +41,8 @@ from reader.format.records import (
     offsets_from_gaps,
 )
 
-# deflate emits at most 258 bytes per 2-bit code, plus its block overhead: about 1032 bytes out per byte in
+# deflate's longest match (258 bytes) costs at least 2 bits, so a stream inflates to at most about 1032
+# times its size
 MAX_DEFLATE_RATIO = 1032
 _LEVEL = 6
 
@@ -105,7 +106,7 @@ def _inflate_exactly(stream: bytes, nbytes: int, shown: object, what: str) -> by
     """The ``nbytes`` bytes the zlib ``stream`` holds, which must end right after them."""
     inflater = zlib.decompressobj()
     try:
-        data = inflater.decompress(stream, nbytes)
+        data = inflater.decompress(stream, max(nbytes, 1))  # a max_length of 0 would inflate everything
         ended = inflater.eof or (not inflater.decompress(inflater.unconsumed_tail, 1) and inflater.eof)
     except zlib.error as e:
         raise FormatError(f"{shown}: {what} is not a valid compressed array ({e})") from None
