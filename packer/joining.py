@@ -98,9 +98,10 @@ def reconciled_classes(paths: list[Path], manifests: list[Manifest]) -> list[str
     longest = manifests[widest].classes
     for path, manifest in zip(paths[1:], manifests[1:]):
         if manifest.has_sources != first.has_sources:
+            old, new = (path, first_path) if not manifest.has_sources else (first_path, path)
             raise PackError(
-                f"{path}: format version {manifest.format_version} but {first_path}'s is {first.format_version}; "
-                "a version-1 dataset stores no source paths, so it joins only version-1 datasets (pack it again)"
+                f"{old}: format version 1 stores no source paths, so it joins only version-1 datasets "
+                f"({new} is a later version); pack it again to join them"
             )
         for key in _MUST_MATCH:
             if getattr(manifest, key) != getattr(first, key):

@@ -377,7 +377,7 @@ class PackedDataset(Dataset):
         for shard in shards[~self._records.loaded[shards]].tolist():
             info = self.manifest.shards[shard]
             if shard not in self._tables_asked and info.table_offset is not None:
-                self._files.advise_bytes(shard, info.table_offset, info.table_nbytes)
+                self._files.advise_bytes(shard, info.table_offset, info.stored_table_nbytes)
             self._tables_asked.add(shard)
 
     @property

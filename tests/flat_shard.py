@@ -69,7 +69,8 @@ class FlatContainer(Container):
     def read_table(
         self, path: str | os.PathLike, shown: Path, records: int | None = None, *, compressed: bool
     ) -> np.ndarray:
-        return decompress_table(_archive(path, shown, compressed)["table"].tobytes(), shown, records)
+        stored = _archive(path, shown, compressed)["table"].tobytes()
+        return decompress_table(stored, shown, records, os.stat(path).st_size)
 
     def read_arrays(
         self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str], *, compressed: bool
@@ -79,7 +80,7 @@ class FlatContainer(Container):
         for name in names:
             if f"array.{name}" not in archive.files:
                 raise FormatError(f"{shown}: flat shard has no array {name!r}")
-            arrays[name] = decompress_column(archive[f"array.{name}"].tobytes(), shown, f"array {name}")
+            arrays[name] = decompress_column(archive[f"array.{name}"].tobytes(), shown, f"array {name}", file_size)
         return arrays
 
     def read_records(

@@ -1,27 +1,17 @@
 """How a version-5 shard stores its record table and its named arrays: a ``.npy`` header, then the
-array's bytes deflated (zlib) after two reversible steps that make them compress.
+array's bytes deflated (zlib) after two reversible steps that make them compress (delta-coded integers,
+byte planes; the table's offsets as gaps). FORMAT.md ("Compressed arrays") specifies the bytes and
+gives the figures: why (a plain table row and source path cost 64-76 bytes a record) and what they
+cost now. ``compress_array``/``compress_table`` and ``decompress_column``/``decompress_table`` are the
+only code that knows this encoding.
 
-Why: stored as plain rows and columns, a record's table row (32 bytes), its source path (the path's
-bytes and an 8-byte offset) and its fields cost 60-80 bytes a record, 3-5% of a 1.6-2.2 KB JPEG. The
-columns are regular: offsets grow by small steps, labels and sizes repeat, paths share their folders.
-Stored this way, the table and the source column take 2-6 bytes a record.
+zlib level 6, its default: level 9 took 18 µs a record to deflate a table (20 times as long) for 3%
+fewer bytes.
 
-The steps, applied to each field of the array's dtype (a plain dtype is one field), in C order:
-
-1. *delta*: an integer field wider than one byte is stored as its first value and then each value
-   minus the one before, modulo 2^bits (a run of equal values becomes zeros; offsets become lengths);
-2. *byte shuffle*: the field's values, ``itemsize`` bytes each, are stored as ``itemsize`` planes: every
-   value's first byte, then every value's second byte, ... (the high bytes, mostly zero, form runs).
-
-The fields' planes follow one another in the dtype's order, and the whole is one zlib stream (zlib is in
-Python's standard library). Level 6, zlib's default: level 9 took 18 µs a record to deflate a table
-(20 times as long) for 3% fewer bytes. Inflating takes about 0.15 µs a record. ``compress_array`` and
-``decompress_array`` are the only code that knows this encoding.
-
-A stored array is input from whoever made the dataset: ``decompress_array`` checks the header (as for
-plain ``.npy`` bytes: ``records._npy_parts``), lets the caller refuse the dtype and shape before
-anything is inflated, refuses a header claiming more bytes than deflate can produce from the stream
-(1032 to 1) and inflates exactly the claimed bytes, no more.
+A stored array is input from whoever made the dataset. Decompressing checks the header (as for plain
+``.npy`` bytes: ``records.npy_parts``), lets the caller refuse the dtype and shape before anything is
+inflated, refuses a claim of more bytes than deflate can produce from the stream (1032 to 1) or than
+``MAX_INFLATED_PER_FILE_BYTE`` times the shard file's size, and inflates exactly the claimed bytes.
 """
 from __future__ import annotations
 
@@ -33,17 +23,15 @@ from typing import Callable
 import numpy as np
 
 from reader.format.errors import FormatError
-from reader.format.records import (
-    check_array_layout,
-    check_table_layout,
-    npy_parts,
-    offsets_as_gaps,
-    offsets_from_gaps,
-)
+from reader.format.records import check_array_layout, check_table_layout, npy_parts
 
 # deflate's longest match (258 bytes) costs at least 2 bits, so a stream inflates to at most about 1032
 # times its size
 MAX_DEFLATE_RATIO = 1032
+# A stored array inflates to at most this many bytes per byte of its shard file: a record table's
+# 32-byte row per record, and a record has a payload byte at least. A column larger than that would
+# have to be as large in the file, unless it compresses over 32 to 1 and dwarfs the payloads.
+MAX_INFLATED_PER_FILE_BYTE = 32
 _LEVEL = 6
 
 
@@ -57,20 +45,44 @@ def compress_array(array: np.ndarray) -> bytes:
     return header.getvalue() + zlib.compress(b"".join(planes), _LEVEL)
 
 
-def decompress_array(
+def compress_table(table: np.ndarray) -> bytes:
+    """A record table as stored: each payload's offset as its gap after the previous payload's end
+    (mostly 0: payloads lie back to back), then ``compress_array``."""
+    return compress_array(_offsets_as_gaps(table))
+
+
+def decompress_table(blob: bytes, shown: object, records: int | None, file_size: int) -> np.ndarray:
+    """The record table ``compress_table`` stored as ``blob`` in a shard file of ``file_size`` bytes,
+    of ``records`` rows when given."""
+    def check(dtype: np.dtype, shape: tuple[int, ...], fortran: bool) -> None:
+        check_table_layout(dtype, shape, shown, records, fortran)
+    return _offsets_from_gaps(_decompress_array(blob, shown, "record table", check, file_size))
+
+
+def decompress_column(blob: bytes, shown: object, what: str, file_size: int) -> np.ndarray:
+    """A named array (a record column) ``compress_array`` stored as ``blob`` in a shard file of
+    ``file_size`` bytes, of a plain dtype."""
+    def check(dtype: np.dtype, shape: tuple[int, ...], fortran: bool) -> None:
+        check_array_layout(dtype, shape, shown, what, fortran)
+    return _decompress_array(blob, shown, what, check, file_size)
+
+
+def _decompress_array(
     blob: bytes, shown: object, what: str, check_layout: Callable[[np.dtype, tuple[int, ...], bool], None],
+    file_size: int,
 ) -> np.ndarray:
     """The array ``compress_array`` stored as ``blob``; ``FormatError`` naming ``shown`` and ``what``
     for anything else. ``check_layout(dtype, shape, fortran)`` refuses a header the caller does not
     accept before anything is inflated."""
     shape, fortran, dtype, stream = npy_parts(blob, shown, what)
     check_layout(dtype, shape, fortran)
-    if min(shape, default=0) < 0:
-        raise FormatError(f"{shown}: {what} has a negative dimension {shape}")
+    limit = min(MAX_DEFLATE_RATIO * (len(stream) + 1), MAX_INFLATED_PER_FILE_BYTE * file_size)
     nbytes = math.prod(shape) * dtype.itemsize  # Python integers: a huge shape cannot wrap around
-    if nbytes > MAX_DEFLATE_RATIO * len(stream) + MAX_DEFLATE_RATIO:
+    if nbytes > limit:
         raise FormatError(f"{shown}: {what} claims {nbytes} bytes, more than its {len(stream)} compressed "
-                          "bytes can hold (damaged)")
+                          f"bytes in a shard of {file_size} can hold (damaged)")
+    if min(shape, default=0) < 0 or max(shape, default=0) > limit:  # (2**64, 0): no bytes, yet no array
+        raise FormatError(f"{shown}: {what} has the impossible shape {shape} (damaged)")
     data = _inflate_exactly(stream, nbytes, shown, what)
     flat = np.empty(math.prod(shape), dtype=dtype)
     start = 0
@@ -82,24 +94,22 @@ def decompress_array(
     return flat.reshape(shape)
 
 
-def compress_table(table: np.ndarray) -> bytes:
-    """A record table as stored: each payload's offset as its gap after the previous payload's end
-    (mostly 0: payloads lie back to back), then ``compress_array``."""
-    return compress_array(offsets_as_gaps(table))
+def _offsets_as_gaps(table: np.ndarray) -> np.ndarray:
+    """A copy of ``table`` whose ``offset`` is each payload's gap after the previous one's end (the
+    first: its offset), in wrapping unsigned arithmetic so that any table round-trips exactly."""
+    stored = table.copy()
+    ends = table["offset"] + table["nbytes"]
+    stored["offset"][1:] = table["offset"][1:] - ends[:-1]
+    return stored
 
 
-def decompress_table(blob: bytes, shown: object, records: int | None) -> np.ndarray:
-    """The record table ``compress_table`` stored as ``blob``, of ``records`` rows when given."""
-    def check(dtype: np.dtype, shape: tuple[int, ...], fortran: bool) -> None:
-        check_table_layout(dtype, shape, shown, records, fortran)
-    return offsets_from_gaps(decompress_array(blob, shown, "record table", check))
-
-
-def decompress_column(blob: bytes, shown: object, what: str) -> np.ndarray:
-    """A named array (a record column) ``compress_array`` stored as ``blob``, of a plain dtype."""
-    def check(dtype: np.dtype, shape: tuple[int, ...], fortran: bool) -> None:
-        check_array_layout(dtype, shape, shown, what, fortran)
-    return decompress_array(blob, shown, what, check)
+def _offsets_from_gaps(stored: np.ndarray) -> np.ndarray:
+    """The table ``_offsets_as_gaps`` stored: offsets back from the gaps and the lengths."""
+    table = stored.copy()
+    steps = stored["offset"].copy()
+    steps[1:] += stored["nbytes"][:-1]
+    table["offset"] = np.cumsum(steps, dtype=np.uint64)
+    return table
 
 
 def _inflate_exactly(stream: bytes, nbytes: int, shown: object, what: str) -> bytes:

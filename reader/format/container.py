@@ -33,7 +33,7 @@ class ShardWriter(abc.ABC):
         self._rows: list[tuple[int, int, int, int]] = []  # (nbytes, label, height, width)
         self.payload_bytes = 0
         self.table_offset: int | None = None  # where the finished file holds the stored table (``finish``)
-        self.table_bytes = 0  # the stored table's length (``finish``)
+        self.table_bytes: int | None = None  # the stored table's length (``finish``)
 
     @property
     def num_records(self) -> int:

@@ -119,14 +119,16 @@ def _stored_bytes(dataset: h5py.Dataset, file_size: int, shown: object, what: st
 
 def read_hdf5_table(path: str | os.PathLike, shown: Path, records: int | None, compressed: bool) -> np.ndarray:
     """The record table of the HDF5 shard at ``path`` (named ``shown`` in errors), checked for links
-    and external storage, its dtype, ``records`` rows and a size the file can hold (a compressed
-    table claiming a billion rows would otherwise be inflated into memory) before it is read."""
+    and external storage, its dtype, ``records`` rows and a size the file can hold (an HDF5-compressed
+    dataset claiming a billion rows would otherwise be inflated into memory) before it is read;
+    ``compressed``: stored by ``compressed_arrays`` (a ``uint8`` dataset of its bytes), else rows."""
     try:
         with open_readonly(Path(path)) as f:
             table = internal_dataset(f, TABLE_DATASET, shown)
             file_size = os.stat(path).st_size
             if compressed:
-                return decompress_table(_stored_bytes(table, file_size, shown, "record table"), shown, records)
+                stored = _stored_bytes(table, file_size, shown, "record table")
+                return decompress_table(stored, shown, records, file_size)
             check_table_layout(table.dtype, table.shape, shown, records)
             if table.shape[0] * RECORD_TABLE_DTYPE.itemsize > file_size:
                 raise FormatError(f"{shown}: record table claims {table.shape[0]} rows, more than the file "
@@ -163,7 +165,7 @@ class Hdf5Container(Container):
                     dataset = internal_dataset(f, f"{ARRAYS_GROUP}/{name}", shown)
                     if compressed:
                         stored = _stored_bytes(dataset, file_size, shown, f"array {name}")
-                        arrays[name] = decompress_column(stored, shown, f"array {name}")
+                        arrays[name] = decompress_column(stored, shown, f"array {name}", file_size)
                     else:
                         check_array_layout(dataset.dtype, dataset.shape, shown, f"array {name}")
                         if dataset.size * dataset.dtype.itemsize > file_size:

@@ -252,11 +252,14 @@ def read_lmdb_table(path: str | os.PathLike, shown: Path, records: int | None, c
     anything is allocated: meta pages inside the file, the value inside the file, a header of the
     record-table dtype and ``records`` rows. Read with ``pread`` (``reader.format.lmdb_pages``), never
     through a map, so a shard truncated under the reader is a ``FormatError``, not ``SIGBUS``."""
-    with paged_values(path, os.stat(path).st_size, shown) as values:
+    file_size = os.stat(path).st_size
+    with paged_values(path, file_size, shown) as values:
         blob = values.get(TABLE_KEY, "record table")
     if blob is None:
         raise FormatError(f"{shown}: LMDB shard has no record table (key {TABLE_KEY!r})")
-    return decompress_table(blob, shown, records) if compressed else parse_npy_table(blob, shown, records)
+    if compressed:
+        return decompress_table(blob, shown, records, file_size)
+    return parse_npy_table(blob, shown, records)
 
 
 class LmdbContainer(Container):
@@ -275,13 +278,13 @@ class LmdbContainer(Container):
         self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str], *, compressed: bool
     ) -> dict[str, np.ndarray]:
         arrays = {}
-        parse = decompress_column if compressed else parse_npy_array
         with paged_values(path, file_size, shown) as values:
             for name in names:
                 blob = values.get(array_key(name), f"array {name}")
                 if blob is None:
                     raise FormatError(f"{shown}: LMDB shard has no array {name!r}")
-                arrays[name] = parse(blob, shown, f"array {name}")
+                arrays[name] = (decompress_column(blob, shown, f"array {name}", file_size) if compressed
+                                else parse_npy_array(blob, shown, f"array {name}"))
         return arrays
 
     def read_records(

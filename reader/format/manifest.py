@@ -58,7 +58,7 @@ class ShardInfo:
         return self.table_bytes is not None
 
     @property
-    def table_nbytes(self) -> int:
+    def stored_table_nbytes(self) -> int:
         """The bytes the shard stores its record table in (those at ``table_offset``)."""
         return self.table_bytes if self.table_bytes is not None else self.records * RECORD_TABLE_DTYPE.itemsize
 
@@ -116,6 +116,8 @@ class Manifest:
         data["fields"] = [field.to_json() for field in self.fields]
         if self.format_version == 1:  # a version-1 manifest read back is written as it was
             del data["fields"], data["labelled"]
+        if self.format_version < 5 and any(shard.compressed for shard in self.shards):
+            raise ValueError("compressed shards (table_bytes) need a manifest of format version 5 on")
         for shard in data["shards"]:
             if self.format_version < 4:
                 del shard["table_offset"]

@@ -11,7 +11,7 @@ from typing import Any
 
 from reader.format.errors import FormatError
 from reader.format.fields import printable
-from reader.format.records import MAX_SIDE
+from reader.format.records import MAX_SIDE, RECORD_TABLE_DTYPE
 from reader.format.registry import ENCODINGS, STORAGES
 
 SHARD_KEYS: dict[str, type | tuple[type, ...]] = {"file": str, "records": int, "bytes": int, "checksum": str}
@@ -108,6 +108,12 @@ def _check_shards(shards: list[Any], keys: dict[str, type | tuple[type, ...]], o
             _check_type(shard[key], kind, origin, f"{where}.{key}")
         if min(shard["records"], shard["bytes"], shard.get("table_offset") or 0, shard.get("table_bytes") or 0) < 0:
             raise FormatError(f"{origin}: {where} has a negative record count, size, table offset or table length")
+        if shard.get("table_offset") is not None:
+            stored = shard.get("table_bytes")
+            stored = shard["records"] * RECORD_TABLE_DTYPE.itemsize if stored is None else stored
+            if shard["table_offset"] + stored > shard["bytes"]:
+                raise FormatError(f"{origin}: {where} puts its record table's {stored} bytes at offset "
+                                  f"{shard['table_offset']}, past the end of its {shard['bytes']} bytes")
         check_plain_name(shard["file"], origin)
         if shard["file"] in names:
             raise FormatError(f"{origin}: shard file {shard['file']!r} is listed twice")

@@ -60,24 +60,6 @@ def table_problems(
     return [(what, np.flatnonzero(bad)) for what, bad in checks if bad.any()]
 
 
-def offsets_as_gaps(table: np.ndarray) -> np.ndarray:
-    """A copy of ``table`` whose ``offset`` is each payload's gap after the previous one's end (the
-    first: its offset), in wrapping unsigned arithmetic so that any table round-trips exactly."""
-    stored = table.copy()
-    ends = table["offset"] + table["nbytes"]
-    stored["offset"][1:] = table["offset"][1:] - ends[:-1]
-    return stored
-
-
-def offsets_from_gaps(stored: np.ndarray) -> np.ndarray:
-    """The table ``offsets_as_gaps`` stored: offsets back from the gaps and the lengths."""
-    table = stored.copy()
-    steps = stored["offset"].copy()
-    steps[1:] += stored["nbytes"][:-1]
-    table["offset"] = np.cumsum(steps, dtype=np.uint64)
-    return table
-
-
 def _overlapping(offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     """Rows whose payload starts before the previous payload (in file order) ends."""
     order = np.argsort(offset, kind="stable")
@@ -122,8 +104,8 @@ def check_array_layout(
 
 def is_plain_column(dtype: np.dtype, shape: tuple[int, ...]) -> bool:
     """Whether a named array of ``dtype`` and ``shape`` may be stored in a shard: one of
-    ``ARRAY_DTYPES``, at most two dimensions."""
-    return dtype in ARRAY_DTYPES and len(shape) <= 2
+    ``ARRAY_DTYPES``, one or two dimensions."""
+    return dtype in ARRAY_DTYPES and 1 <= len(shape) <= 2
 
 
 def npy_parts(blob: bytes, shown: object, what: str) -> tuple[tuple[int, ...], bool, np.dtype, bytes]:
@@ -147,7 +129,10 @@ def _npy_body(body: bytes, shape: tuple[int, ...], dtype: np.dtype, shown: objec
     # math.prod: Python integers, so a huge shape cannot wrap around to the body's size
     if min(shape, default=0) < 0 or len(body) != math.prod(shape) * dtype.itemsize:
         raise FormatError(f"{shown}: {what} holds {len(body)} bytes for shape {shape} (damaged)")
-    return np.frombuffer(body, dtype=dtype).reshape(shape).copy()
+    try:
+        return np.frombuffer(body, dtype=dtype).reshape(shape).copy()
+    except ValueError:  # an empty array with a side numpy cannot hold: (2**64, 0)
+        raise FormatError(f"{shown}: {what} has the impossible shape {shape} (damaged)") from None
 
 
 def check_table_layout(

@@ -59,21 +59,18 @@ def load_shard_table(
 
 
 def table_at_offset(fd: int, shard: ShardInfo, file_size: int, shown: Path) -> np.ndarray:
-    """The record table stored at ``shard.table_offset`` of the open shard file ``fd`` (compressed, or
-    plain rows before format version 5), which must lie inside its ``file_size`` bytes (else
-    ``FormatError`` naming ``shown``)."""
-    offset, nbytes = shard.table_offset, shard.table_nbytes
+    """The record table stored at ``shard.table_offset`` of the open shard file ``fd`` of ``file_size``
+    bytes (compressed, or plain rows before format version 5); ``FormatError`` naming ``shown``. The
+    manifest's checks put it inside the file (``manifest_schema``), which has the manifest's size."""
+    offset, nbytes = shard.table_offset, shard.stored_table_nbytes
     assert offset is not None
-    if offset + nbytes > file_size:
-        raise FormatError(f"{shown}: the manifest puts the record table's {nbytes} bytes at offset "
-                          f"{offset}, past the end of the file ({file_size} bytes)")
-    rows = os.pread(fd, nbytes, offset)
-    if len(rows) != nbytes:
+    stored = os.pread(fd, nbytes, offset)
+    if len(stored) != nbytes:
         raise FormatError(f"{shown}: the file ends inside its record table (it shrank after it was checked: "
                           "rewritten in place while it was read?)")
     if shard.compressed:
-        return decompress_table(rows, shown, shard.records)
-    return np.frombuffer(rows, dtype=RECORD_TABLE_DTYPE)
+        return decompress_table(stored, shown, shard.records, file_size)
+    return np.frombuffer(stored, dtype=RECORD_TABLE_DTYPE)
 
 
 def record_source(root: Path, storage: str, shard: ShardInfo, record: int) -> str | None:

@@ -15,6 +15,7 @@ from reader.format.compressed_arrays import compress_array, compress_table, deco
 from reader.format.records import RECORD_TABLE_DTYPE
 
 RNG = np.random.default_rng(0)
+FILE = 1 << 30  # the size of the shard file the arrays are said to come from
 
 
 @pytest.mark.parametrize("array", [
@@ -27,7 +28,7 @@ RNG = np.random.default_rng(0)
     np.zeros((0, 4), dtype="<f4"),
 ], ids=["ints", "extremes", "floats", "vectors", "bytes", "empty", "empty-boxes"])
 def test_every_column_round_trips(array: np.ndarray) -> None:
-    back = decompress_column(compress_array(array), "shard", "array a")
+    back = decompress_column(compress_array(array), "shard", "array a", FILE)
     assert back.dtype == array.dtype and back.shape == array.shape and back.tobytes() == array.tobytes()
 
 
@@ -43,12 +44,12 @@ def test_a_record_table_round_trips_and_takes_a_few_bytes_a_record() -> None:
     table["height"], table["width"] = 224, 224
     stored = compress_table(table)
     assert len(stored) < 4 * count
-    assert decompress_table(stored, "shard", count).tobytes() == table.tobytes()
+    assert decompress_table(stored, "shard", count, FILE).tobytes() == table.tobytes()
     odd = table[:3].copy()
     odd["offset"] = [2**64 - 5, 3, 0]
     odd["nbytes"][1] = 2**64 - 1
     odd["label"] = [-1, 5, -(2**63)]
-    assert decompress_table(compress_table(odd), "shard", 3).tobytes() == odd.tobytes()
+    assert decompress_table(compress_table(odd), "shard", 3, FILE).tobytes() == odd.tobytes()
 
 
 def npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
@@ -68,15 +69,17 @@ NOT_0 = "array a: its compressed stream does not hold exactly the 0 bytes"
     (npy_header("<i8", (4,)) + zlib.compress(bytes(32)) + b"more", NOT_32),
     (npy_header("<i8", (4,)) + zlib.compress(bytes(40)), NOT_32),
     (npy_header("<i8", (4,)) + zlib.compress(bytes(32))[:-3], NOT_32),
-    (npy_header("|u1", (10**9,)) + b"\x78\xda", "array a claims 1000000000 bytes, more than its 2 compressed "
-     "bytes can hold"),
+    (npy_header("|u1", (10**6,)) + b"\x78\xda", "array a claims 1000000 bytes, more than its 2 compressed "
+     "bytes in a shard of 1073741824 can hold"),
+    (npy_header("|u1", (2**64, 0)) + zlib.compress(b""), r"array a has the impossible shape \(18446744073709551616, "),
+    (npy_header("<i8", ()) + zlib.compress(bytes(8)), r"array a has dtype int64 and shape \(\), not a plain column"),
     (npy_header("|O", (2,)) + b"", "array a has dtype object"),
     (npy_header("<i2", (2,)) + zlib.compress(bytes(4)), r"array a has dtype int16 and shape \(2,\), not a plain"),
     (b"garbage", r"array a is not valid \.npy data"),
 ])
 def test_bytes_that_are_not_a_stored_array_are_refused(stored: bytes, message: str) -> None:
     with pytest.raises(FormatError, match=rf"^shard: {message}"):
-        decompress_column(stored, "shard", "array a")
+        decompress_column(stored, "shard", "array a", FILE)
 
 
 def test_a_stream_is_never_inflated_past_the_claimed_bytes() -> None:
@@ -85,16 +88,26 @@ def test_a_stream_is_never_inflated_past_the_claimed_bytes() -> None:
     tracemalloc.start()
     try:
         with pytest.raises(FormatError, match=rf"^shard: {NOT_0}"):
-            decompress_column(stored, "shard", "array a")
+            decompress_column(stored, "shard", "array a", FILE)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 10_000_000
 
 
+def test_a_stream_never_inflates_past_32_bytes_per_byte_of_its_shard() -> None:
+    """Within deflate's ratio, a claim is still refused when the shard file could not hold the
+    records it would describe: 100 KB of zeros claimed by a column of a 3,000-byte shard."""
+    stored = compress_array(np.zeros(100_000, np.uint8))
+    with pytest.raises(FormatError, match=r"^shard: array a claims 100000 bytes, more than its \d+ compressed bytes in "
+                                          r"a shard of 3000 can hold \(damaged\)$"):
+        decompress_column(stored, "shard", "array a", 3000)
+    assert decompress_column(stored, "shard", "array a", 3125).size == 100_000
+
+
 def test_a_table_of_another_row_count_or_dtype_is_refused_before_inflating() -> None:
     table = np.zeros(3, RECORD_TABLE_DTYPE)
     with pytest.raises(FormatError, match=r"^shard: record table has 3 rows, the manifest says 4$"):
-        decompress_table(compress_table(table), "shard", 4)
+        decompress_table(compress_table(table), "shard", 4, FILE)
     with pytest.raises(FormatError, match=r"^shard: record table has dtype int64"):
-        decompress_table(compress_array(np.zeros(3, "<i8")), "shard", 3)
+        decompress_table(compress_array(np.zeros(3, "<i8")), "shard", 3, FILE)

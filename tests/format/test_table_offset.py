@@ -56,7 +56,7 @@ def test_each_shard_records_where_its_table_lies(packed: Path) -> None:
         with open(packed / shard.file, "rb") as f:
             f.seek(shard.table_offset)
             stored = f.read(shard.table_bytes)
-        assert stored == compress_table(table) and decompress_table(stored, "", shard.records).tobytes() \
+        assert stored == compress_table(table) and decompress_table(stored, "", shard.records, shard.bytes).tobytes() \
             == table.tobytes()
 
 
@@ -93,26 +93,34 @@ def test_version_3_datasets_look_their_tables_up_in_the_container(packed: Path, 
     assert packer.verify(old, deep=True, progress=False).ok
 
 
-def test_a_table_offset_past_the_end_is_refused_naming_the_shard(packed: Path, tmp_path: Path) -> None:
+def test_a_table_past_the_end_is_refused_naming_the_shard_entry(packed: Path, tmp_path: Path) -> None:
+    """Checked with the manifest, before any shard is opened: a table past the shard's recorded size
+    (whose file has exactly that size, or is refused) is a damaged or edited manifest."""
     shards = json.loads((packed / "manifest.json").read_text())["shards"]
-    name, size, stored = shards[1]["file"], shards[1]["bytes"], shards[1]["table_bytes"]
+    size, stored = shards[1]["bytes"], shards[1]["table_bytes"]
     bad = copy_with_manifest(packed, tmp_path / "bad", lambda data: data["shards"][1].update(table_offset=size - 100))
-    with pytest.raises(FormatError, match=rf"^{bad / name}: the manifest puts the record table's {stored} bytes at "
-                                          rf"offset {size - 100}, past the end of the file \({size} bytes\)$"):
-        PackedDataset(bad).targets
-    report = packer.verify(bad, progress=False)
-    assert not report.ok and any(name in problem and "past the end" in problem for problem in report.problems)
+    message = (rf"^{bad / 'manifest.json'}: shards\[1\] puts its record table's {stored} bytes at offset "
+               rf"{size - 100}, past the end of its {size} bytes$")
+    with pytest.raises(FormatError, match=message):
+        PackedDataset(bad)
+    with pytest.raises(FormatError, match=message):
+        packer.verify(bad, progress=False)
+    huge = copy_with_manifest(packed, tmp_path / "huge", lambda data: data["shards"][1].update(table_bytes=2**70))
+    with pytest.raises(FormatError, match=rf"puts its record table's {2**70} bytes at offset"):
+        PackedDataset(huge)
 
 
 def test_a_table_offset_that_points_elsewhere_is_caught(packed: Path, tmp_path: Path) -> None:
-    """Bytes read from the wrong place are not a stored table; ``verify`` names the shard."""
+    """Bytes read from the wrong place are not a stored table; ``verify`` names the disagreement and
+    goes on with the container's table (its records still read back)."""
     name = json.loads((packed / "manifest.json").read_text())["shards"][0]["file"]
     bad = copy_with_manifest(packed, tmp_path / "bad", lambda data: data["shards"][0].update(table_offset=0))
     with pytest.raises(FormatError, match=rf"^{bad / name}: record table is not valid \.npy data"):
         PackedDataset(bad).targets
-    report = packer.verify(bad, progress=False)
-    assert any(problem.startswith(f"{name}: record table unreadable ({bad / name}: record table is not valid")
-               for problem in report.problems), report.problems
+    report = packer.verify(bad, deep=True, progress=False)
+    assert report.problems == [f"{name}: the record table at the manifest's table_offset (0) is not the one the "
+                               "container holds (the shard or the manifest was damaged or edited)"]
+    assert report.records == COUNT
 
 
 def test_a_version_4_table_offset_that_points_elsewhere_is_caught(packed: Path, tmp_path: Path) -> None:

@@ -152,6 +152,7 @@ def test_datasets_of_format_versions_4_and_5_join_into_version_5(tmp_path: Path)
     assert packer.verify(tmp_path / "out", deep=True, progress=False).ok
     version_1 = Path(__file__).resolve().parents[1] / "fixtures" / "v1-lmdb"
     code, output = run("join", tmp_path / "out1", fixture, version_1)
-    assert code == 1 and output == (
-        f"Error: {version_1}: format version 1 but {fixture}'s is 4; a version-1 dataset stores no source "
-        "paths, so it joins only version-1 datasets (pack it again)\n")
+    message = (f"Error: {version_1}: format version 1 stores no source paths, so it joins only version-1 "
+               f"datasets ({fixture} is a later version); pack it again to join them\n")
+    assert code == 1 and output == message
+    assert run("join", tmp_path / "out1", version_1, fixture) == (1, message)
