@@ -36,7 +36,7 @@ from packer.run.journal import PartRecord
 from packer.run.malloc_tuning import reuse_large_allocations
 from packer.run.partitions import Partition
 from packer.source.scan import Skipped, display_name
-from reader.format import DatasetWriter
+from reader.format import DatasetWriter, FormatError
 from reader.format.fields import FieldSpec
 
 _PROGRESS_SECONDS = 0.2
@@ -354,8 +354,9 @@ class WorkerError:
 
     The exception object itself is not sent: one whose constructor takes other arguments than it
     stores would fail to cross the queue in the queue's own feeder thread, silently, and the parent
-    would wait forever. A user-fixable ``PackError`` and an ``OSError`` (a full disk, a shard that
-    cannot be written) come back as themselves; anything else as a ``PackError`` naming its type.
+    would wait forever. A user-fixable ``PackError`` or ``FormatError`` (a record the format cannot
+    hold) and an ``OSError`` (a full disk, a shard that cannot be written) come back as themselves
+    (the first two as ``PackError``); anything else as a ``PackError`` naming its type.
     """
 
     type_name: str
@@ -376,7 +377,7 @@ class WorkerError:
             if self.errno is None:
                 return OSError(self.message)
             return OSError(self.errno, self.strerror or self.message, self.filename)
-        if self.type_name == PackError.__name__:
+        if self.type_name in (PackError.__name__, FormatError.__name__):
             return PackError(self.message)
         return PackError(f"{self.type_name}: {self.message}")
 

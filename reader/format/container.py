@@ -19,8 +19,9 @@ from typing import Iterator
 
 import numpy as np
 
-from reader.format.compressed_arrays import compress_array, compress_table
+from reader.format.compressed_arrays import MAX_INFLATED_PER_FILE_BYTE, compress_array, compress_table
 from reader.format.durable import fsync_directory
+from reader.format.errors import FormatError
 from reader.format.records import ARRAY_DTYPES, RECORD_TABLE_DTYPE, is_plain_column
 
 
@@ -50,8 +51,9 @@ class ShardWriter(abc.ABC):
         """Write the record table (and the named ``arrays``: per-record columns, see
         ``reader.format.fields``), each compressed (``reader.format.compressed_arrays``), fsync, and
         rename the shard to its final name. Returns the table. An array no reader would accept is a
-        ``ValueError`` naming the shard, before anything is finished (call ``abort()``): a finished
-        shard is always readable.
+        ``ValueError`` naming the shard (a ``FormatError`` for one larger than readers inflate from
+        this shard), before the shard is published (call ``abort()``): a finished shard is always
+        readable.
 
         ``table_offset`` is then where the file holds the stored table, its ``table_bytes`` bytes (the
         manifest's ``table_offset`` and ``table_bytes``, which readers read in one ``pread``), or None
@@ -59,7 +61,7 @@ class ShardWriter(abc.ABC):
         for name, array in (arrays or {}).items():
             if not is_plain_column(array.dtype, array.shape):
                 raise ValueError(f"{self.path}: array {name} has dtype {array.dtype} and shape {array.shape}; "
-                                 f"a shard stores {', '.join(map(str, ARRAY_DTYPES))} arrays of at most two "
+                                 f"a shard stores {', '.join(map(str, ARRAY_DTYPES))} arrays of one or two "
                                  "dimensions")
         table = np.zeros(len(self._rows), dtype=RECORD_TABLE_DTYPE)
         rows = np.array(self._rows, dtype=np.int64).reshape(-1, 4)
@@ -74,6 +76,8 @@ class ShardWriter(abc.ABC):
                 if self.table_offset is not None and os.pread(f.fileno(), len(stored), self.table_offset) != stored:
                     raise RuntimeError(f"{self.tmp_path}: the record table is not at offset {self.table_offset}, "
                                        "where the container put it")
+                _check_inflated_sizes({"record table": table, **(arrays or {})}, os.fstat(f.fileno()).st_size,
+                                      self.path)
         os.replace(self.tmp_path, self.path)
         fsync_directory(self.path.parent)
         return table
@@ -118,6 +122,17 @@ class ShardWriter(abc.ABC):
 
     @abc.abstractmethod
     def _close(self) -> None: ...
+
+
+def _check_inflated_sizes(arrays: dict[str, np.ndarray], file_size: int, shown: Path) -> None:
+    """``FormatError`` for an array larger than readers inflate from a shard of ``file_size`` bytes
+    (``MAX_INFLATED_PER_FILE_BYTE`` times it: a highly compressible column that dwarfs the payloads,
+    such as a long vector of zeros per tiny image), so that a finished shard is always readable."""
+    for name, array in arrays.items():
+        if array.nbytes > MAX_INFLATED_PER_FILE_BYTE * file_size:
+            raise FormatError(f"{shown}: {name} takes {array.nbytes} bytes, more than {MAX_INFLATED_PER_FILE_BYTE} "
+                             f"times the shard's {file_size}, which readers refuse to inflate; keep such a "
+                             "field outside the dataset")
 
 
 class Container(abc.ABC):

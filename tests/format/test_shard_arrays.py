@@ -103,7 +103,7 @@ def test_an_array_no_reader_accepts_is_refused_before_the_shard_is_finished(tmp_
     writer = container(storage).writer(shard)
     writer.append(b"x", 0, 1, 1)
     with pytest.raises(ValueError, match=rf"^{shard}: array names has dtype <U1 and shape \(1,\); a shard stores "
-                                         r"int64, float64, float32, uint8 arrays of at most two dimensions$"):
+                                         r"int64, float64, float32, uint8 arrays of one or two dimensions$"):
         writer.finish({"ints": ARRAYS["ints"], "names": np.array(["a"])})
     writer.abort()
     assert list(tmp_path.iterdir()) == []
