@@ -260,20 +260,22 @@ def test_version_4_and_5_shards_in_one_dataset(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_column_readers_would_not_inflate_is_refused_when_packing(tmp_path: Path, workers: int) -> None:
-    """A vector of 1,024 equal numbers per 4x4 image deflates to almost nothing, but would inflate to
+    """A vector of 2,048 equal numbers per 4x4 image deflates to almost nothing, but would inflate to
     over 32 bytes per byte of its shard, past what readers inflate (a decompression bomb to them): the
-    pack fails with one line naming the shard and the field, and no shard is left as finished."""
+    pack fails with one line naming the shard and the field (from a worker process too), and no shard is
+    left as finished."""
+    partitions = max(workers, 1)
     src = tmp_path / "src"
     (src / "img").mkdir(parents=True)
-    for k in range(300):
+    for k in range(300 * partitions):
         Image.fromarray(np.full((4, 4, 3), k % 256, np.uint8)).save(src / "img" / f"{k}.png")
-    lines = [json.dumps({"path": f"img/{k}.png", "label": "a", "emb": [0.5] * 1024}) for k in range(300)]
+    lines = [json.dumps({"path": f"img/{k}.png", "label": "a", "emb": [0.5] * 2048}) for k in range(300 * partitions)]
     (src / "labels.jsonl").write_text("\n".join(lines) + "\n")
-    with pytest.raises((PackError, FormatError), match=r"^\S+part-00000-shard-00000\.lmdb: field\.emb takes "
-                                                      r"1228800 bytes, "
-                                        r"more than 32 times the shard's \d+, which readers refuse to inflate; keep "
-                                        r"such a field outside the dataset$"):
-        packer.pack(src, tmp_path / "out", labels=src / "labels.jsonl", workers=workers, partitions=1,
+    with pytest.raises((PackError, FormatError), match=r"^\S+part-0000\d-shard-00000\.lmdb: field\.emb takes "
+                                                      r"2457600 bytes, more than 32 times the shard's \d+, which "
+                                                      r"readers refuse to inflate; keep such a field outside the "
+                                                      r"dataset$"):
+        packer.pack(src, tmp_path / "out", labels=src / "labels.jsonl", workers=workers, partitions=partitions,
                     progress=False)
     assert not list((tmp_path / "out").glob("*.lmdb")) and not (tmp_path / "out" / "manifest.json").exists()
 
