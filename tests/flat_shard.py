@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -73,14 +73,16 @@ class FlatContainer(Container):
         return decompress_table(stored, shown, records, os.stat(path).st_size)
 
     def read_arrays(
-        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str], *, compressed: bool
+        self, path: str | os.PathLike, file_size: int, shown: Path, rows: Mapping[str, int | None], *,
+        compressed: bool,
     ) -> dict[str, np.ndarray]:
         archive = _archive(path, shown, compressed)
         arrays = {}
-        for name in names:
+        for name, count in rows.items():
             if f"array.{name}" not in archive.files:
                 raise FormatError(f"{shown}: flat shard has no array {name!r}")
-            arrays[name] = decompress_column(archive[f"array.{name}"].tobytes(), shown, f"array {name}", file_size)
+            stored = archive[f"array.{name}"].tobytes()
+            arrays[name] = decompress_column(stored, shown, f"array {name}", file_size, count)
         return arrays
 
     def read_records(

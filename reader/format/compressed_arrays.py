@@ -59,11 +59,13 @@ def decompress_table(blob: bytes, shown: object, records: int | None, file_size:
     return _offsets_from_gaps(_decompress_array(blob, shown, "record table", check, file_size))
 
 
-def decompress_column(blob: bytes, shown: object, what: str, file_size: int) -> np.ndarray:
+def decompress_column(blob: bytes, shown: object, what: str, file_size: int, rows: int | None) -> np.ndarray:
     """A named array (a record column) ``compress_array`` stored as ``blob`` in a shard file of
-    ``file_size`` bytes, of a plain dtype."""
+    ``file_size`` bytes, of a plain dtype and ``rows`` rows (None: any)."""
     def check(dtype: np.dtype, shape: tuple[int, ...], fortran: bool) -> None:
         check_array_layout(dtype, shape, shown, what, fortran)
+        if rows is not None and shape[:1] != (rows,):
+            raise FormatError(f"{shown}: {what} has shape {shape}, not the {rows} rows of its shard")
     return _decompress_array(blob, shown, what, check, file_size)
 
 
@@ -83,13 +85,13 @@ def _decompress_array(
                           f"bytes in a shard of {file_size} can hold (damaged)")
     if min(shape, default=0) < 0 or max(shape, default=0) > limit:  # (2**64, 0): no bytes, yet no array
         raise FormatError(f"{shown}: {what} has the impossible shape {shape} (damaged)")
-    data = _inflate_exactly(stream, nbytes, shown, what)
+    planes = np.frombuffer(_inflate_exactly(stream, nbytes, shown, what), dtype=np.uint8)
     flat = np.empty(math.prod(shape), dtype=dtype)
     start = 0
     for name in _field_names(dtype):
         field = _field(flat, name)
         size = field.size * field.dtype.itemsize
-        field[...] = _undeltas(_unshuffled(data[start:start + size], field.dtype))
+        _unshuffle_into(field, planes[start:start + size])
         start += size
     return flat.reshape(shape)
 
@@ -147,18 +149,21 @@ def _deltas(values: np.ndarray) -> np.ndarray:
     return np.concatenate([unsigned[:1], np.diff(unsigned)])
 
 
-def _undeltas(values: np.ndarray) -> np.ndarray:
-    if not _is_delta_coded(values.dtype) or values.size == 0:
-        return values
-    unsigned = values.view(values.dtype.str.replace("i", "u"))
-    return np.cumsum(unsigned, dtype=unsigned.dtype).view(values.dtype)
+def _unshuffle_into(field: np.ndarray, planes: np.ndarray) -> None:
+    """Fill ``field`` (one dtype field of the inflated array) from its byte ``planes``, undoing the
+    deltas. A plain array's bytes are written in place (a structured field goes through one copy), so
+    inflating holds the inflated bytes and the array, twice the claim, no more."""
+    itemsize, count = field.dtype.itemsize, field.size
+    values = field if field.flags.c_contiguous else np.empty(count, dtype=field.dtype)
+    values.view(np.uint8).reshape(count, itemsize)[...] = planes.reshape(itemsize, count).T
+    if _is_delta_coded(field.dtype) and count:
+        unsigned = values.view(field.dtype.str.replace("i", "u"))
+        np.cumsum(unsigned, dtype=unsigned.dtype, out=unsigned)
+    if values is not field:
+        field[...] = values
 
 
 def _shuffled(values: np.ndarray) -> bytes:
     """The values' bytes as planes: every value's byte 0, then every value's byte 1, ..."""
     return values.view(np.uint8).reshape(values.size, values.dtype.itemsize).T.tobytes()
 
-
-def _unshuffled(planes: bytes, dtype: np.dtype) -> np.ndarray:
-    count = len(planes) // dtype.itemsize
-    return np.frombuffer(planes, np.uint8).reshape(dtype.itemsize, count).T.copy().view(dtype).reshape(count)

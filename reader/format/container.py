@@ -15,7 +15,7 @@ import abc
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -158,11 +158,13 @@ class Container(abc.ABC):
 
     @abc.abstractmethod
     def read_arrays(
-        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str], *, compressed: bool
+        self, path: str | os.PathLike, file_size: int, shown: Path, rows: Mapping[str, int | None], *,
+        compressed: bool,
     ) -> dict[str, np.ndarray]:
-        """The named arrays stored beside the record table (``compressed`` as for ``read_table``), each
-        checked (a plain dtype from ``records.ARRAY_DTYPES``, inside the file) before it is read; a
-        missing one is a ``FormatError``."""
+        """The named arrays stored beside the record table, named by ``rows`` with the rows each must
+        have (None: any; ``fields.column_rows``), ``compressed`` as for ``read_table``. Each is checked
+        (a plain dtype from ``records.ARRAY_DTYPES``, inside the file; compressed, its rows too) before
+        it is read; a missing one is a ``FormatError``."""
 
     @abc.abstractmethod
     def read_records(

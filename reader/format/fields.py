@@ -161,8 +161,12 @@ class FieldSpec:
         boxes = np.asarray([b for v in values for b in v], dtype=np.float32).reshape(-1, 4)
         return _with_offsets(prefix, boxes, [len(v) for v in values])
 
-    def column_names(self, prefix: str) -> list[str]:
-        return [f"{prefix}.values", f"{prefix}.offsets"] if self.type in _VARIABLE else [prefix]
+    def column_rows(self, prefix: str, records: int) -> dict[str, int | None]:
+        """The named arrays of this field's column in a shard of ``records`` records, each with the
+        rows it must have (None: any, the values of a variable-length column)."""
+        if self.type in _VARIABLE:
+            return {f"{prefix}.values": None, f"{prefix}.offsets": records + 1}
+        return {prefix: records}
 
     def read_column(self, arrays: dict[str, np.ndarray], prefix: str, records: int, shown: object) -> Column:
         """The column stored under ``prefix`` for ``records`` records, checked (dtype, shape, offsets
@@ -261,9 +265,14 @@ def read_record_columns(
     return columns
 
 
-def column_names(fields: Sequence[FieldSpec]) -> list[str]:
-    """The named arrays ``record_columns`` writes, for ``Container.read_arrays``."""
-    return SOURCE_SPEC.column_names(SOURCE) + [n for f in fields for n in f.column_names(field_prefix(f.name))]
+def column_rows(fields: Sequence[FieldSpec], records: int) -> dict[str, int | None]:
+    """The named arrays ``record_columns`` writes for a shard of ``records`` records, with the rows
+    each must have (None: any), for ``Container.read_arrays``: a compressed array claiming other rows
+    is refused before it is inflated."""
+    rows = SOURCE_SPEC.column_rows(SOURCE, records)
+    for field in fields:
+        rows.update(field.column_rows(field_prefix(field.name), records))
+    return rows
 
 
 def infer_spec(name: str, values: Sequence[Any]) -> FieldSpec:

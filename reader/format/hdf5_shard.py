@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import h5py
 import numpy as np
@@ -84,7 +84,8 @@ def internal_dataset(f: h5py.File, name: str, shown: object) -> h5py.Dataset:
     An HDF5 file can make ``/name`` an external or soft link, keep a dataset's bytes in other files
     (external raw storage) or assemble it from other files (a virtual dataset): a shared dataset
     would then read whatever files its author chose. Only a hard-linked dataset stored in the file
-    itself is accepted.
+    itself is accepted, and only contiguous (as the writer stores every dataset): a chunked one may
+    be compressed, and HDF5 inflates a whole chunk (up to 4 GiB) to read any byte of it.
     """
     link = f.get(name, getlink=True)
     if link is None:
@@ -99,6 +100,9 @@ def internal_dataset(f: h5py.File, name: str, shown: object) -> h5py.Dataset:
         raise FormatError(f"{shown}: /{name} is a virtual dataset (built from other files); refused")
     if dataset.external:
         raise FormatError(f"{shown}: /{name} keeps its data in external files; refused")
+    if dataset.chunks is not None:
+        raise FormatError(f"{shown}: /{name} is stored in chunks, not contiguously as a shard's datasets are; "
+                          "refused (a compressed chunk is inflated whole to read any byte of it)")
     return dataset
 
 
@@ -154,18 +158,19 @@ class Hdf5Container(Container):
         return read_hdf5_table(path, shown, records, compressed)
 
     def read_arrays(
-        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str], *, compressed: bool
+        self, path: str | os.PathLike, file_size: int, shown: Path, rows: Mapping[str, int | None], *,
+        compressed: bool,
     ) -> dict[str, np.ndarray]:
         arrays = {}
         try:
             with open_readonly(Path(path)) as f:
-                if names and not isinstance(f.get(ARRAYS_GROUP, getlink=True), h5py.HardLink):
+                if rows and not isinstance(f.get(ARRAYS_GROUP, getlink=True), h5py.HardLink):
                     raise FormatError(f"{shown}: HDF5 shard has no /{ARRAYS_GROUP} group stored in this file")
-                for name in names:
+                for name, count in rows.items():
                     dataset = internal_dataset(f, f"{ARRAYS_GROUP}/{name}", shown)
                     if compressed:
                         stored = _stored_bytes(dataset, file_size, shown, f"array {name}")
-                        arrays[name] = decompress_column(stored, shown, f"array {name}", file_size)
+                        arrays[name] = decompress_column(stored, shown, f"array {name}", file_size, count)
                     else:
                         check_array_layout(dataset.dtype, dataset.shape, shown, f"array {name}")
                         if dataset.size * dataset.dtype.itemsize > file_size:
@@ -185,6 +190,8 @@ class Hdf5Container(Container):
         try:
             with open_readonly(Path(path)) as f:
                 records = internal_dataset(f, RECORDS_DATASET, shown)
+                if records.ndim != 1:
+                    raise FormatError(f"{shown}: /{RECORDS_DATASET} has shape {records.shape}, not one dimension")
                 start = 0
                 for nbytes in table["nbytes"].tolist():
                     yield records[start : start + nbytes].tobytes() if start + nbytes <= records.shape[0] else None

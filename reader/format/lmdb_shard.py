@@ -17,7 +17,7 @@ import errno
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import lmdb
 import numpy as np
@@ -275,15 +275,16 @@ class LmdbContainer(Container):
         return read_lmdb_table(path, shown, records, compressed)
 
     def read_arrays(
-        self, path: str | os.PathLike, file_size: int, shown: Path, names: list[str], *, compressed: bool
+        self, path: str | os.PathLike, file_size: int, shown: Path, rows: Mapping[str, int | None], *,
+        compressed: bool,
     ) -> dict[str, np.ndarray]:
         arrays = {}
         with paged_values(path, file_size, shown) as values:
-            for name in names:
+            for name, count in rows.items():
                 blob = values.get(array_key(name), f"array {name}")
                 if blob is None:
                     raise FormatError(f"{shown}: LMDB shard has no array {name!r}")
-                arrays[name] = (decompress_column(blob, shown, f"array {name}", file_size) if compressed
+                arrays[name] = (decompress_column(blob, shown, f"array {name}", file_size, count) if compressed
                                 else parse_npy_array(blob, shown, f"array {name}"))
         return arrays
 

@@ -108,6 +108,9 @@ def _check_shards(shards: list[Any], keys: dict[str, type | tuple[type, ...]], o
             _check_type(shard[key], kind, origin, f"{where}.{key}")
         if min(shard["records"], shard["bytes"], shard.get("table_offset") or 0, shard.get("table_bytes") or 0) < 0:
             raise FormatError(f"{origin}: {where} has a negative record count, size, table offset or table length")
+        if shard["records"] > shard["bytes"]:  # every record has a payload byte at least
+            raise FormatError(f"{origin}: {where} ({printable(shard['file'])}) claims {shard['records']} records in "
+                              f"{shard['bytes']} bytes")
         if shard.get("table_offset") is not None:
             stored = shard.get("table_bytes")
             stored = shard["records"] * RECORD_TABLE_DTYPE.itemsize if stored is None else stored

@@ -11,7 +11,7 @@ import numpy as np
 from reader.format import registry
 from reader.format.compressed_arrays import decompress_table
 from reader.format.errors import FormatError
-from reader.format.fields import SOURCE, Column, FieldSpec, column_names, printable, read_record_columns
+from reader.format.fields import SOURCE, Column, FieldSpec, column_rows, printable, read_record_columns
 from reader.format.manifest import ShardInfo, file_checksum
 from reader.format.records import RECORD_TABLE_DTYPE, table_problems
 from reader.format.shard_files import FileIdentity, checked_shard, fd_path
@@ -89,6 +89,7 @@ def load_shard_columns(
     checked file like its table, each checked against the shard's record count."""
     path = root / shard.file
     with checked_shard(root, shard) as (fd, identity):
-        arrays = registry.container(storage).read_arrays(fd_path(fd), identity.size, path, column_names(fields),
+        rows = column_rows(fields, shard.records)
+        arrays = registry.container(storage).read_arrays(fd_path(fd), identity.size, path, rows,
                                                          compressed=shard.compressed)
     return read_record_columns(fields, arrays, shard.records, path)

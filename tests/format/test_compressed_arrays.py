@@ -28,7 +28,7 @@ FILE = 1 << 30  # the size of the shard file the arrays are said to come from
     np.zeros((0, 4), dtype="<f4"),
 ], ids=["ints", "extremes", "floats", "vectors", "bytes", "empty", "empty-boxes"])
 def test_every_column_round_trips(array: np.ndarray) -> None:
-    back = decompress_column(compress_array(array), "shard", "array a", FILE)
+    back = decompress_column(compress_array(array), "shard", "array a", FILE, len(array))
     assert back.dtype == array.dtype and back.shape == array.shape and back.tobytes() == array.tobytes()
 
 
@@ -79,7 +79,7 @@ NOT_0 = "array a: its compressed stream does not hold exactly the 0 bytes"
 ])
 def test_bytes_that_are_not_a_stored_array_are_refused(stored: bytes, message: str) -> None:
     with pytest.raises(FormatError, match=rf"^shard: {message}"):
-        decompress_column(stored, "shard", "array a", FILE)
+        decompress_column(stored, "shard", "array a", FILE, None)
 
 
 def test_a_stream_is_never_inflated_past_the_claimed_bytes() -> None:
@@ -88,7 +88,7 @@ def test_a_stream_is_never_inflated_past_the_claimed_bytes() -> None:
     tracemalloc.start()
     try:
         with pytest.raises(FormatError, match=rf"^shard: {NOT_0}"):
-            decompress_column(stored, "shard", "array a", FILE)
+            decompress_column(stored, "shard", "array a", FILE, None)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -101,8 +101,37 @@ def test_a_stream_never_inflates_past_32_bytes_per_byte_of_its_shard() -> None:
     stored = compress_array(np.zeros(100_000, np.uint8))
     with pytest.raises(FormatError, match=r"^shard: array a claims 100000 bytes, more than its \d+ compressed bytes in "
                                           r"a shard of 3000 can hold \(damaged\)$"):
-        decompress_column(stored, "shard", "array a", 3000)
-    assert decompress_column(stored, "shard", "array a", 3125).size == 100_000
+        decompress_column(stored, "shard", "array a", 3000, None)
+    assert decompress_column(stored, "shard", "array a", 3125, None).size == 100_000
+
+
+def test_a_column_of_other_rows_than_its_shard_is_refused_before_inflating() -> None:
+    """A fixed-size column (or offsets) claiming a billion rows where the shard holds 6 is refused from
+    its header, with a memory peak of a few MB."""
+    stored = npy_header("<i8", (10**9,)) + zlib.compress(bytes(8000))
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match=r"^shard: array a has shape \(1000000000,\), not the 6 rows of its "
+                                              r"shard$"):
+            decompress_column(stored, "shard", "array a", FILE, 6)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10_000_000
+    assert decompress_column(compress_array(np.arange(6)), "shard", "array a", FILE, 6).tolist() == list(range(6))
+
+
+def test_a_claim_near_the_limit_takes_twice_its_size_to_inflate() -> None:
+    """The inflated bytes and the array, no more (no copies per step)."""
+    array = np.arange(2_000_000, dtype="<i8")  # 16 MB
+    stored = compress_array(array)
+    tracemalloc.start()
+    try:
+        back = decompress_column(stored, "shard", "array a", FILE, None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(back, array) and peak < 2.2 * array.nbytes
 
 
 def test_a_table_of_another_row_count_or_dtype_is_refused_before_inflating() -> None:

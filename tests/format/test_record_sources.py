@@ -224,7 +224,7 @@ def test_a_label_field_holding_no_class_is_refused(tmp_path: Path, classes, stor
                   tool_version="test")
     shard = tmp_path / "out" / "shard-00000.h5"
     with h5py.File(shard, "r+") as f:
-        values = decompress_column(f["arrays/field.tags.values"][()].tobytes(), shard, "values", 1 << 20)
+        values = decompress_column(f["arrays/field.tags.values"][()].tobytes(), shard, "values", 1 << 20, None)
         values[0] = stored
         del f["arrays/field.tags.values"]
         f["arrays/field.tags.values"] = np.frombuffer(compress_array(values), np.uint8)

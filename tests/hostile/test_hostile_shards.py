@@ -20,7 +20,9 @@ from hostile_helpers import (
     tables_in_containers,
 )
 
-from reader.format import DatasetWriter
+import packer
+from reader import PackedDataset
+from reader.format import DatasetWriter, FormatError
 
 FRACTIONS = [0.0, 0.1, 0.5, 0.9, 0.999]
 
@@ -52,8 +54,11 @@ def test_truncated_shards_are_refused_before_mapping(packed: Path) -> None:
 
 
 def test_truncations_hidden_in_the_manifest_are_refused(packed: Path) -> None:
-    """The author edited the manifest to the truncated size: the container's own header is checked."""
-    assert_all_refused(damaged_copies(packed, {f"truncated to {f}": truncate(f, hide=True) for f in FRACTIONS}))
+    """The author edited the manifest to the truncated size: the container's own header is checked (a
+    shard of 0 bytes cannot hold its records: the manifest itself is refused)."""
+    cases = damaged_copies(packed, {f"truncated to {f}": truncate(f, hide=True) for f in FRACTIONS})
+    cases["truncated to 0.0"].verify_raises = True
+    assert_all_refused(cases)
 
 
 def rename_shard(name: str) -> Callable[[Path], tuple[str, ...]]:
@@ -135,13 +140,11 @@ def relink_table(
 
 
 def compressed_table_bomb(dst: Path) -> tuple[str, ...]:
-    """An HDF5-compressed ``/table`` of a million bytes (the stored table, gzip-compressed by HDF5 itself)
-    in a file of a few KB, and a manifest that agrees with it: refused before it is inflated."""
+    """An HDF5-compressed ``/table`` of a million bytes (gzip chunks of HDF5's own) in a file of a few KB,
+    and a manifest that agrees with it: refused before it is inflated, as every chunked dataset is."""
     def bomb(f: h5py.File, table: np.ndarray, outside: Path) -> None:
         f.create_dataset("table", shape=(1_000_000,), dtype=table.dtype, chunks=(100_000,), compression="gzip")
-    names = relink_table(bomb, "more than the file holds")(dst)
-    edit_manifest(dst, lambda data: data["shards"][0].update(records=1_000_000))
-    return names
+    return relink_table(bomb, "is stored in chunks")(dst)
 
 
 def test_hdf5_tables_in_other_files_are_refused(tmp_path: Path, make_packed_dataset: Callable[..., Path]) -> None:
@@ -153,6 +156,51 @@ def test_hdf5_tables_in_other_files_are_refused(tmp_path: Path, make_packed_data
         "virtual dataset": relink_table(virtual_dataset, "virtual dataset"),
         "a compressed table of a million bytes": compressed_table_bomb,
     }))
+
+
+def rewrite_records(make: Callable[[h5py.File, np.ndarray], None]) -> Callable[[Path], tuple[str, ...]]:
+    """Replace ``/records`` of the first HDF5 shard by what ``make`` builds from its bytes."""
+    def damage(dst: Path) -> tuple[str, ...]:
+        shard = first_shard(dst)
+        with h5py.File(shard, "r+") as f:
+            records = f["records"][()]
+            del f["records"]
+            make(f, records)
+        set_manifest_bytes(dst, 0, shard.stat().st_size)
+        return (shard.name,)
+    return damage
+
+
+def chunked_records(f: h5py.File, records: np.ndarray) -> None:
+    # one chunk far larger than the data: HDF5 would inflate all of it for each record's slice
+    f.create_dataset("records", data=records, maxshape=(None,), chunks=(1 << 20,), compression="gzip")
+
+
+def scalar_records(f: h5py.File, records: np.ndarray) -> None:
+    f["records"] = np.uint8(7)
+
+
+def test_hdf5_records_stored_otherwise_are_refused_by_verify_deep(
+    tmp_path: Path, make_packed_dataset: Callable[..., Path]
+) -> None:
+    """The reader reads payloads at the table's offsets, never through ``/records``; ``verify --deep``
+    reads ``/records`` through HDF5, so it must be contiguous and one dimension, or reported."""
+    dst = make_packed_dataset(tmp_path, storage="hdf5", resize=16, crop=16, shard_size=10**6)
+    damages = {"chunked": rewrite_records(chunked_records), "scalar": rewrite_records(scalar_records)}
+    cases = damaged_copies(dst, damages, raising=())
+    for label, case in cases.items():
+        report = packer.verify(case.path, deep=True, progress=False)
+        words = "is stored in chunks" if label == "chunked" else "has shape (), not one dimension"
+        assert any(words in problem for problem in report.problems), (label, report.problems)
+
+
+def test_a_shard_claiming_more_records_than_bytes_is_refused_with_the_manifest(packed: Path) -> None:
+    """Every record has a payload byte at least: 10**15 records in a shard of a few KB is refused before
+    anything is allocated for them."""
+    edit_manifest(packed, lambda data: data["shards"][0].update(records=10**15))
+    with pytest.raises(FormatError, match=r"manifest\.json: shards\[0\] \(part-\S+\) claims 1000000000000000 "
+                                          r"records in \d+ bytes$"):
+        PackedDataset(packed)
 
 
 def damage_lmdb(edit: Callable[[bytearray, int, int], None], *words: str) -> Callable[[Path], tuple[str, ...]]:
