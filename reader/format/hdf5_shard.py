@@ -112,7 +112,8 @@ def _byte_array(stored: bytes) -> np.ndarray:
 
 def _stored_bytes(dataset: h5py.Dataset, file_size: int, shown: object, what: str) -> bytes:
     """The bytes a version-5 ``uint8`` dataset stores, refused unless it is one dimension of
-    ``uint8`` that the file can hold (an HDF5-compressed dataset claiming more would be inflated)."""
+    ``uint8`` that the file can hold (a contiguous dataset whose storage was never written may claim
+    any size, and reads as fill values)."""
     if dataset.dtype != np.uint8 or len(dataset.shape) != 1:
         raise FormatError(f"{shown}: {what} is a dataset of dtype {dataset.dtype} and shape {dataset.shape}, "
                           "not the stored bytes of a compressed array")
