@@ -159,6 +159,7 @@ class Manifest:
         check_manifest_data(data, origin)
         _check_class_to_idx(data["classes"], class_to_idx, origin)
         data["shards"] = [ShardInfo(**s) for s in data["shards"]]
+        _check_tables_inside(data["shards"], origin)
         fields = data.get("fields", [])
         data["fields"] = [FieldSpec.from_json(f, f"{origin}: fields[{i}]") for i, f in enumerate(fields)]
         if len({f.name for f in data["fields"]}) != len(data["fields"]):
@@ -192,6 +193,15 @@ def _check_own_checksum(data: dict[str, Any], origin: str) -> None:
     if stored != manifest_checksum(data):
         raise FormatError(f"{origin}: its content does not match its checksum (the manifest was damaged or "
                           "edited); restore it from a good copy")
+
+
+def _check_tables_inside(shards: list[ShardInfo], origin: str) -> None:
+    """Refuse a shard whose stored record table, at its ``table_offset``, would end past its ``bytes``
+    (which its file must have): a damaged or edited manifest, found before any shard is opened."""
+    for index, shard in enumerate(shards):
+        if shard.table_offset is not None and shard.table_offset + shard.stored_table_nbytes > shard.bytes:
+            raise FormatError(f"{origin}: shards[{index}] puts its record table's {shard.stored_table_nbytes} bytes "
+                              f"at offset {shard.table_offset}, past the end of its {shard.bytes} bytes")
 
 
 def _check_class_to_idx(classes: list[str], class_to_idx: Any, origin: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from reader.format.errors import FormatError
 from reader.format.fields import printable
-from reader.format.records import MAX_SIDE, RECORD_TABLE_DTYPE
+from reader.format.records import MAX_SIDE
 from reader.format.registry import ENCODINGS, STORAGES
 
 SHARD_KEYS: dict[str, type | tuple[type, ...]] = {"file": str, "records": int, "bytes": int, "checksum": str}
@@ -111,12 +111,6 @@ def _check_shards(shards: list[Any], keys: dict[str, type | tuple[type, ...]], o
         if shard["records"] > shard["bytes"]:  # every record has a payload byte at least
             raise FormatError(f"{origin}: {where} ({printable(shard['file'])}) claims {shard['records']} records in "
                               f"{shard['bytes']} bytes")
-        if shard.get("table_offset") is not None:
-            stored = shard.get("table_bytes")
-            stored = shard["records"] * RECORD_TABLE_DTYPE.itemsize if stored is None else stored
-            if shard["table_offset"] + stored > shard["bytes"]:
-                raise FormatError(f"{origin}: {where} puts its record table's {stored} bytes at offset "
-                                  f"{shard['table_offset']}, past the end of its {shard['bytes']} bytes")
         check_plain_name(shard["file"], origin)
         if shard["file"] in names:
             raise FormatError(f"{origin}: shard file {shard['file']!r} is listed twice")

@@ -202,14 +202,23 @@ def test_a_dataset_without_labels(tmp_path: Path) -> None:
     assert packer.verify(tmp_path / "out", progress=False).ok
 
 
+def fixture_pixels(k: int) -> np.ndarray:
+    """Record ``k``'s pixels in the format-version fixtures (``tests/fixtures/v1-*``, ``v4-*``)."""
+    return (np.arange(3 * 8 * 6).reshape(3, 8, 6) * (k + 1) % 256).astype(np.uint8)
+
+
+def fixture_fields(k: int) -> dict:
+    """Record ``k``'s fields in the version-4 fixtures."""
+    return {"id": 100 + k, "caption": f"picture {k}", "box": [[float(k)] * 4] * (k % 3)}
+
+
 def test_format_version_1_datasets_still_open() -> None:
     for storage in ("lmdb", "hdf5"):
         ds = PackedDataset(FIXTURES / f"v1-{storage}")
         assert ds.manifest.format_version == 1 and len(ds) == 5 and ds.classes == ["cat", "dog"]
         for k in range(5):
             pixels, label = ds[k]
-            expected = (np.arange(3 * 8 * 6).reshape(3, 8, 6) * (k + 1) % 256).astype(np.uint8)
-            assert label == k % 2 and torch.equal(pixels, torch.from_numpy(expected))
+            assert label == k % 2 and torch.equal(pixels, torch.from_numpy(fixture_pixels(k)))
             assert ds.source(k) is None and ds.fields(k) == {}
         assert packer.verify(FIXTURES / f"v1-{storage}", deep=True, progress=False).ok
 
@@ -222,12 +231,9 @@ def test_format_version_4_datasets_still_open_with_their_sources_and_fields() ->
         assert ds.manifest.format_version == 4 and len(ds) == 5 and ds.classes == ["cat", "dog"]
         for k in range(5):
             pixels, label = ds[k]
-            expected = (np.arange(3 * 8 * 6).reshape(3, 8, 6) * (k + 1) % 256).astype(np.uint8)
-            assert label == k % 2 and torch.equal(pixels, torch.from_numpy(expected))
+            assert label == k % 2 and torch.equal(pixels, torch.from_numpy(fixture_pixels(k)))
             assert ds.source(k) == f"{['cat', 'dog'][k % 2]}/img_{k}.png"
-            fields = ds.fields(k)
-            assert fields["id"] == 100 + k and fields["caption"] == f"picture {k}"
-            assert fields["box"] == [[float(k)] * 4] * (k % 3)
+            assert ds.fields(k) == fixture_fields(k)
         assert packer.verify(FIXTURES / f"v4-{storage}", deep=True, progress=False).ok
 
 
@@ -239,9 +245,7 @@ def test_version_4_and_5_shards_in_one_dataset(tmp_path: Path) -> None:
         writer = DatasetWriter(tmp_path / storage, storage, 1 << 20, fields=old.fields,
                                shard_name=lambda number: f"new-{number}{container(storage).suffix}")
         for k in range(5, 8):
-            pixels = (np.arange(3 * 8 * 6).reshape(3, 8, 6) * (k + 1) % 256).astype(np.uint8)
-            writer.add(pixels.tobytes(), k % 2, 8, 6, source=f"new/img_{k}.png",
-                       fields={"id": 100 + k, "caption": f"picture {k}", "box": [[float(k)] * 4] * (k % 3)})
+            writer.add(fixture_pixels(k).tobytes(), k % 2, 8, 6, source=f"new/img_{k}.png", fields=fixture_fields(k))
         new_shards = writer.finish_shards()
         for shard in old.shards:
             shutil.copy(FIXTURES / f"v4-{storage}" / shard.file, tmp_path / storage / shard.file)
@@ -251,10 +255,9 @@ def test_version_4_and_5_shards_in_one_dataset(tmp_path: Path) -> None:
         assert ds.manifest.format_version == 5 and [s.compressed for s in ds.manifest.shards] == [False] * 2 + [True]
         for k in range(8):
             pixels, label = ds[k]
-            expected = (np.arange(3 * 8 * 6).reshape(3, 8, 6) * (k + 1) % 256).astype(np.uint8)
-            assert label == k % 2 and torch.equal(pixels, torch.from_numpy(expected))
+            assert label == k % 2 and torch.equal(pixels, torch.from_numpy(fixture_pixels(k)))
             assert ds.source(k) == (f"{['cat', 'dog'][k % 2]}/img_{k}.png" if k < 5 else f"new/img_{k}.png")
-            assert ds.fields(k) == {"id": 100 + k, "caption": f"picture {k}", "box": [[float(k)] * 4] * (k % 3)}
+            assert ds.fields(k) == fixture_fields(k)
         assert packer.verify(tmp_path / storage, deep=True, progress=False).ok
 
 
