@@ -34,7 +34,11 @@ the slow disk: without it, the main process waited 0.5-0.7 s for each new table 
 and the first batch came after 2.46 s; with tables one lookahead ahead it still waited up to 1.1 s;
 with two, no table read took over 20 ms in 60 batches and the first batch came after 0.68 s. A
 lookahead counts as one batch here where it is none (a streamed loader with no memory to advise
-ahead): tables are small, and the same set under that loader waited 1.25 s for its first batch.
+ahead): tables are small, and the same set under that loader waited 1.25 s for its first batch. The
+first batches' tables are asked for before the loader's DataLoader forks its workers
+(``read_first_tables``), so that the disk reads them while the workers start: a training script's first
+cold batch then came 0.24-0.27 s after ``iter()`` in 24 runs of 26, against 0.28-0.40 s (24,000 JPEGs,
+the slow disk; BENCHMARKS.md, "The record tables before the forks").
 """
 from __future__ import annotations
 
@@ -136,6 +140,20 @@ class BatchStream(Sampler[list[int]]):
         """The batches of the sampler's current pass, then the end."""
         for batch in self._pass(self.sampler.epoch, self.sampler.start):
             yield batch.tolist()
+
+    def read_first_tables(self) -> None:
+        """Ask for the record tables of the batches that ``endless()`` reads the tables of before its
+        first advice, now: ``PackedLoader`` calls this before its DataLoader forks the workers, so the
+        tables are on their way (``read_tables`` only advises them) while the workers start, and the
+        first window is advised as soon as ``endless()`` begins (module docstring, "Record tables
+        further ahead"). ``endless()`` asks for them again, which costs a set lookup per shard."""
+        if self.advise is None or self.read_tables is None:
+            return
+        first = TABLE_LEAD * max(self.lookahead_batches, 1) + 1
+        for count, (_, batch) in enumerate(self._batches(), 1):
+            self.read_tables(batch)
+            if count == first:
+                return
 
     def endless(self) -> Iterator[list[int]]:
         """Pass after pass from the sampler's current one, each batch advised ahead and its record tables

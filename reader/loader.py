@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable, Iterator, Sequence, cast
 
 import numpy as np
+import numpy.ma  # noqa: F401  (np.unique imports it on first use: 35 ms on a cold first batch's path)
 import torch
 from torch.utils.data import Dataset
 
@@ -215,6 +216,7 @@ class PackedLoader(HookedDataLoader):
         if live is not None and self._stream_next == (epoch, start):
             return live
         self.stream.epoch_step = int(self._last_complete_epoch != epoch)
+        self.stream.read_first_tables()
         return super().__iter__()
 
 

@@ -1,6 +1,6 @@
 """Where a cold epoch's first batch waits: a timeline of the loader's steps in its main process and workers.
 
-    scripts/slowdisk run python scripts/trace_first_batch.py SET [--workers 2] [--batch 256] [--disk]
+    scripts/slowdisk run python scripts/trace_first_batch.py SET [--workers 2] [--batch 256] [--disk] [--idle S]
 
 Run under ``scripts/slowdisk run`` (the page cache dropped, reads throttled), it makes
 ``make_loader(SET, batch, num_workers=workers, multiprocessing_context="fork")`` and takes its first
@@ -17,6 +17,13 @@ batch is now cached), so that what the disk costs shows against what the process
 ``--disk``, also what the disk holding SET had served by each moment of the cold first batch: its
 ``/sys/dev/block/MAJ:MIN/stat`` read every millisecond, a line each time the count moves (a throttled
 disk serves in steps about 100 ms apart, so a step's IOs come as one line).
+
+``--idle S`` waits S seconds between making the loader and ``iter()``, as a training script that builds
+its model in between does. On the throttled disk that changes the cold first batch: the kernel's block
+throttle meters reads in periods of about 100 ms, the first starting with the first read after an idle
+spell. Without ``--idle`` that read is the dataset's open a few milliseconds before ``iter()`` (its
+manifest and the shard files' inodes), so the first window is read in periods that began before
+``iter()``; with it, the period begins with the loader's first read, the record tables.
 
 Why: BENCHMARKS.md's first batches are one figure, the wait; on one lent 16-core machine (lending C
 there) they came at 0.39-0.46 s, about 0.2 s more than the disk's first window explains, and one
@@ -147,14 +154,16 @@ class DiskServed:
         return out
 
 
-def first_batch(path: str, workers: int, batch: int, disk: bool = False) -> DiskServed | None:
-    """Make the run's next loader over ``path`` and take its first batch, noting ``iter()`` and the
-    batch's arrival; with ``disk``, what the disk served from ``iter()`` to the first batch."""
+def first_batch(path: str, workers: int, batch: int, disk: bool = False, idle: float = 0) -> DiskServed | None:
+    """Make the run's next loader over ``path``, wait ``idle`` seconds, and take its first batch, noting
+    ``iter()`` and the batch's arrival; with ``disk``, what the disk served from ``iter()`` to the first
+    batch."""
     global loader_number
     loader_number += 1
     served = DiskServed(path) if disk else None
     loader = loader_module.make_loader(PackedDataset(path), batch, num_workers=workers,
                                        multiprocessing_context="fork")
+    time.sleep(idle)
     note("iter")
     with served or contextlib.nullcontext():
         iterator = iter(loader)
@@ -195,6 +204,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--disk", action="store_true",
                         help="also what the disk served during the cold first batch (module docstring)")
+    parser.add_argument("--idle", type=float, default=0.0, metavar="S",
+                        help="seconds between making the loader and iter(), as a training script builds its "
+                             "model in between (module docstring)")
     args = parser.parse_args()
     if torch.cuda.is_available():
         torch.empty(1).pin_memory()
@@ -205,7 +217,7 @@ def main() -> None:
     instrument()
     labels = ("cold", "warm")
     try:
-        served = first_batch(args.set, args.workers, args.batch, disk=args.disk)
+        served = first_batch(args.set, args.workers, args.batch, disk=args.disk, idle=args.idle)
         first_batch(args.set, args.workers, args.batch)
         lines = TRACE.read_text().splitlines()
     finally:

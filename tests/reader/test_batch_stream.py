@@ -2,6 +2,7 @@
 and make_loader wiring the dataset's advice in only where it can help."""
 from __future__ import annotations
 
+import os
 from itertools import islice
 from pathlib import Path
 
@@ -116,6 +117,45 @@ def test_each_batch_s_tables_are_asked_for_a_table_lead_before_its_advice(raw_pa
         if kind == "advise":
             asked = sum(1 for kind, _ in events[:k] if kind == "tables")
             assert asked == advised.index(batch) + 1 + TABLE_LEAD * max(ahead, 1)
+
+
+@pytest.mark.parametrize("ahead", [3, 0])
+def test_the_first_tables_can_be_asked_for_before_the_stream_starts(raw_path, ahead):
+    """``read_first_tables`` asks for the tables of exactly the batches that ``endless()`` asks for before
+    its first advice, in order, and advises nothing; a stream that advises nothing asks for nothing."""
+    def events_of(stream_use) -> list[tuple[str, list[int]]]:
+        events: list[tuple[str, list[int]]] = []
+        sampler = ShardSampler(PackedDataset(raw_path), seed=3, buffer_blocks=2)
+        stream = BatchStream(sampler, BATCH, False, advise=lambda b, _: events.append(("advise", b.tolist())),
+                             read_tables=lambda b: events.append(("tables", b.tolist())),
+                             lookahead=ahead * BATCH)
+        stream_use(stream)
+        return events
+
+    first = events_of(BatchStream.read_first_tables)
+    started = events_of(lambda stream: next(stream.endless()))
+    assert started[:len(first)] == first
+    assert [kind for kind, _ in first] == ["tables"] * (TABLE_LEAD * max(ahead, 1) + 1)
+    assert started[len(first)][0] == "advise"
+    asked: list[np.ndarray] = []
+    sampler = ShardSampler(PackedDataset(raw_path))
+    BatchStream(sampler, BATCH, False, read_tables=asked.append, lookahead=BATCH).read_first_tables()
+    assert asked == []
+
+
+def test_loader_asks_for_the_first_tables_before_forking_its_workers(raw_path, monkeypatch):
+    """A cold epoch's first wait starts with the record tables (``advise`` needs them): the loader asks
+    for the first batches' tables before its DataLoader forks the workers, so the disk reads them while
+    the workers start; the batches are the same."""
+    events: list[str] = []
+    ds = PackedDataset(raw_path, block_bytes=1 << 20)
+    loader = make_loader(ds, BATCH, num_workers=2, buffer_blocks=2, multiprocessing_context="fork")
+    real_fork, ask = os.fork, ds.read_tables_ahead
+    monkeypatch.setattr(os, "fork", lambda: (events.append("fork"), real_fork())[1])
+    monkeypatch.setattr(ds, "read_tables_ahead", lambda indices: (events.append("tables"), ask(indices))[1])
+    yielded = [labels.tolist() for _, labels in loader]
+    assert events.index("tables") < events.index("fork")
+    assert sum(yielded, []) == ds.targets[loader.shard_sampler.rank_order()].tolist()
 
 
 def test_advice_names_each_batch_s_pass(raw_path):
