@@ -1,6 +1,7 @@
 """The per-shard record table: its dtype, how it is parsed, and the checks every table must pass."""
 from __future__ import annotations
 
+import functools
 import io
 import math
 
@@ -113,16 +114,33 @@ def npy_parts(blob: bytes, shown: object, what: str) -> tuple[tuple[int, ...], b
     naming ``shown`` and ``what`` for a header numpy cannot parse safely."""
     stream = io.BytesIO(blob)
     try:
-        version = np.lib.format.read_magic(stream)
-        read_header = {(1, 0): np.lib.format.read_array_header_1_0,
-                       (2, 0): np.lib.format.read_array_header_2_0}[version]
-        shape, fortran, dtype = read_header(stream)
+        length_bytes = _HEADER_LENGTH_BYTES[np.lib.format.read_magic(stream)]
+        start = stream.tell() + length_bytes
+        end = start + int.from_bytes(blob[stream.tell():start], "little")
+        shape, fortran, dtype = _parsed_header(blob[:end])
     except Exception as e:  # numpy raises ValueError, SyntaxError, TokenError... for a bad header
         # numpy's own advice for a long header (allow_pickle=True, trusting the file) is wrong for a stranger's
         reason = ("its header is longer than numpy reads safely" if "max_header_size" in str(e)
                   else f"{type(e).__name__}: {e}")
         raise FormatError(f"{shown}: {what} is not valid .npy data ({reason})") from None
-    return shape, fortran, dtype, blob[stream.tell():]
+    return shape, fortran, dtype, blob[end:]
+
+
+# .npy versions read, and how many bytes give their header's length
+_HEADER_LENGTH_BYTES = {(1, 0): 2, (2, 0): 4}
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_header(prefix: bytes) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """The shape, Fortran flag and dtype of the ``.npy`` header that is ``prefix`` (magic to the end of
+    the header), parsed by numpy once per distinct header: its parse (``ast.literal_eval``) took 90 µs
+    of the 217 µs that inflating a 1,131-row version-5 table took, and the tables of a dataset's
+    shards mostly share one header (ImageNet's 1,133 shards: two)."""
+    stream = io.BytesIO(prefix)
+    version = np.lib.format.read_magic(stream)
+    read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                   (2, 0): np.lib.format.read_array_header_2_0}[version]
+    return read_header(stream)
 
 
 def _npy_body(body: bytes, shape: tuple[int, ...], dtype: np.dtype, shown: object, what: str) -> np.ndarray:

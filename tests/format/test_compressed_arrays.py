@@ -76,6 +76,8 @@ NOT_0 = "array a: its compressed stream does not hold exactly the 0 bytes"
     (npy_header("|O", (2,)) + b"", "array a has dtype object"),
     (npy_header("<i2", (2,)) + zlib.compress(bytes(4)), r"array a has dtype int16 and shape \(2,\), not a plain"),
     (b"garbage", r"array a is not valid \.npy data"),
+    (npy_header("<i8", (4,))[:30], r"array a is not valid \.npy data"),  # a header cut short
+    (b"\x93NUMPY\x03\x00" + npy_header("<i8", (4,))[8:], r"array a is not valid \.npy data \(KeyError"),
 ])
 def test_bytes_that_are_not_a_stored_array_are_refused(stored: bytes, message: str) -> None:
     with pytest.raises(FormatError, match=rf"^shard: {message}"):
