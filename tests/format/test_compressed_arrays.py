@@ -52,6 +52,18 @@ def test_a_record_table_round_trips_and_takes_a_few_bytes_a_record() -> None:
     assert decompress_table(compress_table(odd), "shard", 3, FILE).tobytes() == odd.tobytes()
 
 
+def test_each_table_read_has_a_dtype_of_its_own() -> None:
+    """A header is parsed once for all the tables that share it, yet a caller that renames its table's
+    fields (numpy changes a structured dtype in place) changes no other table, read before or after."""
+    table = np.zeros(4, RECORD_TABLE_DTYPE)
+    table["nbytes"] = 10
+    stored = compress_table(table)
+    first, second = (decompress_table(stored, "shard", 4, FILE) for _ in range(2))
+    first.dtype.names = ("a", "b", "c", "d", "e")
+    assert second.dtype.names == RECORD_TABLE_DTYPE.names
+    assert decompress_table(stored, "shard", 4, FILE).tobytes() == table.tobytes()
+
+
 def npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, {"descr": descr, "fortran_order": False, "shape": shape})
