@@ -208,6 +208,8 @@ def main() -> None:
                         help="seconds between making the loader and iter(), as a training script builds its "
                              "model in between (module docstring)")
     args = parser.parse_args()
+    if args.idle < 0:
+        parser.error(f"--idle must be 0 or more seconds, got {args.idle}")
     if torch.cuda.is_available():
         torch.empty(1).pin_memory()
     print(f"{args.set}: batch {args.batch}, {args.workers} workers, "
