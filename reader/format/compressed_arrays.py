@@ -106,12 +106,12 @@ def _offsets_as_gaps(table: np.ndarray) -> np.ndarray:
 
 
 def _offsets_from_gaps(stored: np.ndarray) -> np.ndarray:
-    """The table ``_offsets_as_gaps`` stored: offsets back from the gaps and the lengths."""
-    table = stored.copy()
-    steps = stored["offset"].copy()
-    steps[1:] += stored["nbytes"][:-1]
-    table["offset"] = np.cumsum(steps, dtype=np.uint64)
-    return table
+    """The table ``_offsets_as_gaps`` stored, its offsets back from the gaps and the lengths, in place
+    (``stored`` is the array just inflated)."""
+    offsets = stored["offset"]
+    offsets[1:] += stored["nbytes"][:-1]
+    np.cumsum(offsets, dtype=np.uint64, out=offsets)
+    return stored
 
 
 def _inflate_exactly(stream: bytes, nbytes: int, shown: object, what: str) -> bytes:

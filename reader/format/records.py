@@ -115,7 +115,7 @@ def npy_parts(blob: bytes, shown: object, what: str) -> tuple[tuple[int, ...], b
     naming ``shown`` and ``what`` for a header numpy cannot parse safely."""
     stream = io.BytesIO(blob)
     try:
-        length_bytes = _HEADER_LENGTH_BYTES[np.lib.format.read_magic(stream)]
+        length_bytes, _ = _NPY_VERSIONS[np.lib.format.read_magic(stream)]
         start = stream.tell() + length_bytes
         end = start + int.from_bytes(blob[stream.tell():start], "little")
         shape, fortran, descr = _parsed_header(blob[:end])
@@ -128,8 +128,8 @@ def npy_parts(blob: bytes, shown: object, what: str) -> tuple[tuple[int, ...], b
     return shape, fortran, dtype, blob[end:]
 
 
-# .npy versions read, and how many bytes give their header's length
-_HEADER_LENGTH_BYTES = {(1, 0): 2, (2, 0): 4}
+# The .npy versions read: how many bytes give each one's header length, and numpy's reader of its header
+_NPY_VERSIONS = {(1, 0): (2, np.lib.format.read_array_header_1_0), (2, 0): (4, np.lib.format.read_array_header_2_0)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -141,9 +141,7 @@ def _parsed_header(prefix: bytes) -> tuple[tuple[int, ...], bool, Any]:
     (ImageNet's 1,133 shards: two). The description, not the dtype, is kept: numpy lets a structured
     dtype be changed in place (``dtype.names = ...``), so each caller gets a dtype of its own."""
     stream = io.BytesIO(prefix)
-    version = np.lib.format.read_magic(stream)
-    read_header = {(1, 0): np.lib.format.read_array_header_1_0,
-                   (2, 0): np.lib.format.read_array_header_2_0}[version]
+    _, read_header = _NPY_VERSIONS[np.lib.format.read_magic(stream)]
     shape, fortran, dtype = read_header(stream)
     return shape, fortran, np.lib.format.dtype_to_descr(dtype)
 

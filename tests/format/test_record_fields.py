@@ -212,29 +212,22 @@ def fixture_fields(k: int) -> dict:
     return {"id": 100 + k, "caption": f"picture {k}", "box": [[float(k)] * 4] * (k % 3)}
 
 
-def test_format_version_1_datasets_still_open() -> None:
+@pytest.mark.parametrize("version", [1, 4])
+def test_format_version_1_and_4_datasets_still_open(version: int) -> None:
+    """Written by the packers of those versions: version 1 without source paths or fields, version 4
+    with both, its record tables as plain rows at ``table_offset`` and its columns as ``.npy`` arrays."""
     for storage in ("lmdb", "hdf5"):
-        ds = PackedDataset(FIXTURES / f"v1-{storage}")
-        assert ds.manifest.format_version == 1 and len(ds) == 5 and ds.classes == ["cat", "dog"]
+        ds = PackedDataset(FIXTURES / f"v{version}-{storage}")
+        assert ds.manifest.format_version == version and len(ds) == 5 and ds.classes == ["cat", "dog"]
         for k in range(5):
             pixels, label = ds[k]
             assert label == k % 2 and torch.equal(pixels, torch.from_numpy(fixture_pixels(k)))
-            assert ds.source(k) is None and ds.fields(k) == {}
-        assert packer.verify(FIXTURES / f"v1-{storage}", deep=True, progress=False).ok
-
-
-def test_format_version_4_datasets_still_open_with_their_sources_and_fields() -> None:
-    """Written by the version-4 packer: record tables as plain rows at ``table_offset``, columns as
-    ``.npy`` arrays."""
-    for storage in ("lmdb", "hdf5"):
-        ds = PackedDataset(FIXTURES / f"v4-{storage}")
-        assert ds.manifest.format_version == 4 and len(ds) == 5 and ds.classes == ["cat", "dog"]
-        for k in range(5):
-            pixels, label = ds[k]
-            assert label == k % 2 and torch.equal(pixels, torch.from_numpy(fixture_pixels(k)))
-            assert ds.source(k) == f"{['cat', 'dog'][k % 2]}/img_{k}.png"
-            assert ds.fields(k) == fixture_fields(k)
-        assert packer.verify(FIXTURES / f"v4-{storage}", deep=True, progress=False).ok
+            if version == 1:
+                assert ds.source(k) is None and ds.fields(k) == {}
+            else:
+                assert ds.source(k) == f"{['cat', 'dog'][k % 2]}/img_{k}.png"
+                assert ds.fields(k) == fixture_fields(k)
+        assert packer.verify(FIXTURES / f"v{version}-{storage}", deep=True, progress=False).ok
 
 
 def test_version_4_and_5_shards_in_one_dataset(tmp_path: Path) -> None:
