@@ -35,7 +35,10 @@ whole epoch's length (``samples_done + samples_left``) while a resumed iteration
 ``samples_left``: a consumer that counts from its restored position (Lightning's ``batch_idx``, a
 ``for step in range(done, len(loader))`` loop, an LR schedule sized by ``len()``) reaches the
 epoch's end exactly, as with torchdata's ``StatefulDistributedSampler``. The state records the
-number of records (a state saved over a dataset of another size is refused) and the ``world_size``;
+number of records (a state saved over a dataset of another size is refused), the quasi-random order's
+block ``layout`` (a state saved mid-epoch over blocks cut otherwise, by another ``block_bytes=`` or
+``buffer_blocks=`` or a release that cuts them differently, is refused: its order differs, so resuming
+would repeat some records and skip others) and the ``world_size``;
 ranks run in lockstep (equal batches), so after ``start`` samples on each of ``w`` ranks the epoch's
 unseen samples are the tails of the ``w`` slices. Loaded with another world size, the sampler continues
 the same epoch with exactly those: their concatenation, in order, is split again between the new ranks
@@ -50,6 +53,7 @@ from typing import Iterator, cast
 
 import numpy as np
 import torch.distributed as dist
+import xxhash
 from torch.utils.data import Dataset, Sampler
 
 from reader.arguments import saved_state, whole_number
@@ -102,9 +106,26 @@ class ShardSampler(Sampler[int]):
         self.start = 0
         self.history: list[tuple[int, int]] = []
         self._groups = view.block_groups()
+        self._layout: str | None = None
         self._orders: dict[tuple, EpochOrder] = {}
         if across_the_process_group(world_size):
-            _check_same_on_every_rank({"seed": seed, "order": order, "number of records": self.num_records})
+            _check_same_on_every_rank({"seed": seed, "order": order, "number of records": self.num_records,
+                                       "block layout": self.layout()})
+
+    def layout(self) -> str | None:
+        """What the quasi-random order depends on besides seed and epoch, as one line: how many blocks,
+        in windows of how many, and a digest of which records each block holds; None for the other
+        orders, which do not depend on blocks. ``state_dict()`` keeps it, so that ``load_state_dict``
+        refuses to resume mid-epoch over blocks cut otherwise (module docstring, "Resume")."""
+        if self.order != "quasi_random":
+            return None
+        if self._layout is None:
+            digest = xxhash.xxh3_64(self._groups.bounds.astype("<i8").tobytes())
+            if self._groups.positions is not None:
+                digest.update(self._groups.positions.astype("<i8").tobytes())
+            self._layout = (f"{self._groups.block_count} blocks in windows of {self.buffer_blocks}, "
+                            f"xxh3 {digest.hexdigest()}")
+        return self._layout
 
     @property
     def samples_per_rank(self) -> int:
@@ -138,7 +159,7 @@ class ShardSampler(Sampler[int]):
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "seed": self.seed, "order": self.order, "start": self.start,
                 "world_size": self.world_size, "history": [list(step) for step in self.history],
-                "records": self.num_records}
+                "records": self.num_records, "layout": self.layout()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``: the next iteration yields what the saved run would have next.
@@ -146,8 +167,9 @@ class ShardSampler(Sampler[int]):
         A state saved with another world size continues the same epoch: the samples the saved ranks
         had not reached yet are split between this run's ranks (module docstring). A state without
         ``world_size`` (saved before it was recorded) is taken as this run's world size. A state saved
-        over a dataset of another size (``records``; not checked in states saved before it was recorded)
-        or with a missing or mistyped entry raises ``ValueError``/``TypeError`` naming it.
+        over a dataset of another size (``records``), or mid-epoch over another quasi-random block
+        ``layout()`` (both not checked in states saved before they were recorded), or with a missing or
+        mistyped entry raises ``ValueError``/``TypeError`` naming it.
         """
         self.check_ranks()
         state = saved_state(state, ("epoch", "seed", "order", "start"))
@@ -166,6 +188,7 @@ class ShardSampler(Sampler[int]):
                    for world, start in steps]
         saved_world = whole_number("saved world_size", state.get("world_size", self.world_size), 1)
         start = whole_number("saved start", state["start"])
+        self._check_layout(state.get("layout"), mid_epoch=start > 0 or bool(history))
         if saved_world != self.world_size:
             history, start = [*history, (saved_world, start)], 0
         remaining = self._remaining(history)
@@ -173,6 +196,22 @@ class ShardSampler(Sampler[int]):
         if not 0 <= start <= per_rank:
             raise ValueError(f"saved start {start} is outside this rank's {per_rank} samples")
         self.epoch, self.seed, self.history, self.start = epoch, seed, history, start
+
+    def _check_layout(self, saved: object, mid_epoch: bool) -> None:
+        """Refuse a saved block ``layout()`` other than this sampler's where it matters: mid-epoch, where
+        the rest of the epoch is the rest of the saved order. A state saved at an epoch's start resumes
+        into an order of this sampler's own, as any new epoch does."""
+        if saved is not None and not isinstance(saved, str):
+            raise TypeError(f"saved layout must be a string or None, got {type(saved).__name__}")
+        mine = self.layout()
+        if saved is None or not mid_epoch or saved == mine:
+            return
+        raise ValueError(
+            f"saved state is mid-epoch in a quasi-random order over other blocks (saved: {saved}; this "
+            f"sampler's: {mine}): the dataset was opened with another block_bytes= or buffer_blocks= than "
+            "the saved run's, or by a reader release that cuts blocks otherwise, and resuming would repeat "
+            "some records and skip others. Open it as the saved run did; or, to read this epoch again from "
+            "its start, load the state with 'start' set to 0 and 'history' set to []")
 
     def __len__(self) -> int:
         """The whole epoch's samples on this rank: ``samples_done + samples_left`` (iteration yields
@@ -299,7 +338,9 @@ def _check_same_on_every_rank(values: dict) -> None:
         seen = [entry["values"][name] for entry in entries]
         if len(set(seen)) > 1:
             each = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(seen))
+            remedy = ("open the dataset with the same block_bytes= and buffer_blocks= on every rank"
+                      if name == "block layout" else
+                      "pass the run's seed (e.g. make_loader(seed=args.seed)), not a per-rank one")
             raise ValueError(
                 f"ShardSampler: the ranks disagree on the {name} ({each}); it must be the same on every "
-                "rank: the sampler splits one order between the ranks itself, so pass the run's seed "
-                "(e.g. make_loader(seed=args.seed)), not a per-rank one")
+                f"rank: the sampler splits one order between the ranks itself, so {remedy}")

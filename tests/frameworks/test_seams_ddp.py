@@ -87,6 +87,11 @@ def ddp_session(rank: int, path: str, port: int, out: str, one_rank_state: dict)
             seen["seed_error"] = None
         except ValueError as e:
             seen["seed_error"] = str(e)
+        try:
+            make_loader(ds, BATCH, num_workers=0, buffer_blocks=2 + rank)
+            seen["layout_error"] = None
+        except ValueError as e:
+            seen["layout_error"] = str(e)
 
         uninterrupted = make_loader(resume_subset(path), BATCH, num_workers=0, seed=8)
         seen["uninterrupted"] = [identify(ids, images) for images, _ in uninterrupted]
@@ -184,6 +189,17 @@ def test_ranks_with_different_seeds_fail_clearly(job):
             "ShardSampler: the ranks disagree on the seed (rank 0: 0, rank 1: 1); it must be the same on "
             "every rank: the sampler splits one order between the ranks itself, so pass the run's seed "
             "(e.g. make_loader(seed=args.seed)), not a per-rank one")
+
+
+def test_ranks_with_different_block_layouts_fail_clearly(job):
+    """Ranks whose quasi-random blocks differ (here ``buffer_blocks``) would split different orders."""
+    for rank in job["ranks"]:
+        error = rank["layout_error"]
+        assert error.startswith("ShardSampler: the ranks disagree on the block layout (rank 0: '"), error
+        assert "blocks in windows of 2, xxh3 " in error and "blocks in windows of 3, xxh3 " in error
+        assert error.endswith("it must be the same on every rank: the sampler splits one order between the "
+                              "ranks itself, so open the dataset with the same block_bytes= and buffer_blocks= "
+                              "on every rank")
 
 
 def test_resume_from_two_ranks_on_one(job):

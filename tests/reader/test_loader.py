@@ -115,7 +115,7 @@ def test_resume_mid_epoch_equals_uninterrupted(raw_path, num_workers):
     seen = [next(batches)[0] for _ in range(2)]
     state = first.state_dict()
     assert state == {"epoch": 3, "seed": 7, "order": "quasi_random", "start": 2 * BATCH, "world_size": 1,
-                     "history": [], "records": COUNT}
+                     "history": [], "records": COUNT, "layout": first.shard_sampler.layout()}
 
     resumed = make_loader(ds, BATCH, num_workers=num_workers, seed=0, drop_last=True)
     resumed.load_state_dict(state)

@@ -1,6 +1,7 @@
 """ShardSampler: complete epochs in every order, shard-local blocks, DDP slices, seeds, resume."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -153,7 +154,7 @@ def test_resume_skips_what_was_consumed():
     resumed = ShardSampler(DATASET, seed=0, rank=1, world_size=2)
     resumed.load_state_dict(state)
     assert state == {"epoch": 4, "seed": 9, "order": "quasi_random", "start": 20, "world_size": 2, "history": [],
-                     "records": N}
+                     "records": N, "layout": uninterrupted.layout()}
     assert len(resumed) == len(full), "len() is the whole epoch's"
     assert (resumed.samples_done, resumed.samples_left) == (20, len(full) - 20)
     resumed.set_epoch(4)
@@ -196,7 +197,7 @@ def test_set_epoch_takes_an_epoch_numpy_can_seed():
 
 
 GOOD_STATE = {"epoch": 2, "seed": 5, "order": "quasi_random", "start": 10, "world_size": 1, "history": [],
-              "records": N}
+              "records": N, "layout": ShardSampler(DATASET).layout()}
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -210,6 +211,7 @@ GOOD_STATE = {"epoch": 2, "seed": 5, "order": "quasi_random", "start": 10, "worl
     ({"history": None}, ValueError, r"saved history must be a list of \[world_size, start\] pairs, got None"),
     ({"history": [[2]]}, ValueError, r"saved history must be a list of \[world_size, start\] pairs, got \[\[2\]\]"),
     ({"history": [[0, 0]]}, ValueError, "saved history world_size must be positive, got 0"),
+    ({"layout": 7}, TypeError, "saved layout must be a string or None, got int"),
 ])
 def test_corrupted_or_foreign_state_is_refused_naming_the_entry(change, error, message):
     sampler = ShardSampler(DATASET, seed=1)
@@ -220,6 +222,50 @@ def test_corrupted_or_foreign_state_is_refused_naming_the_entry(change, error, m
     assert sampler.state_dict() == GOOD_STATE
     sampler.load_state_dict({key: GOOD_STATE[key] for key in ("epoch", "seed", "order", "start")})  # older states
     assert sampler.state_dict() == GOOD_STATE
+
+
+def test_a_mid_epoch_resume_over_other_blocks_is_refused(tmp_path: Path):
+    """The quasi-random order follows the blocks: resumed over blocks cut otherwise (another
+    ``block_bytes=`` or ``buffer_blocks=``), the rest of the epoch would not be the rest of the saved
+    order. Refused mid-epoch; at an epoch's start, or with the position cleared, a new order is fine."""
+    packed = pack_images(tmp_path / "packed", make_images(40, [(16, 16)]), [0] * 40,
+                         storage="lmdb", encoding="raw", records_per_shard=20)
+    record = 3 * 16 * 16
+    saved = ShardSampler(PackedDataset(packed.path, block_bytes=5 * record), seed=4, buffer_blocks=2)
+    saved.set_epoch(1)
+    order = list(saved)
+    saved.start = 15
+    state = saved.state_dict()
+    assert state["layout"] == saved.layout()
+    assert re.fullmatch(r"20 blocks in windows of 2, xxh3 [0-9a-f]{16}", saved.layout())
+
+    same = ShardSampler(PackedDataset(packed.path, block_bytes=5 * record), buffer_blocks=2)
+    same.load_state_dict(state)
+    assert list(same) == order[15:]
+    for block_bytes, buffer_blocks in [(10 * record, 2), (5 * record, 3)]:
+        other = ShardSampler(PackedDataset(packed.path, block_bytes=block_bytes), buffer_blocks=buffer_blocks)
+        with pytest.raises(ValueError) as refused:
+            other.load_state_dict(state)
+        assert str(refused.value) == (
+            f"saved state is mid-epoch in a quasi-random order over other blocks (saved: {saved.layout()}; "
+            f"this sampler's: {other.layout()}): the dataset was opened with another block_bytes= or "
+            "buffer_blocks= than the saved run's, or by a reader release that cuts blocks otherwise, and "
+            "resuming would repeat some records and skip others. Open it as the saved run did; or, to read "
+            "this epoch again from its start, load the state with 'start' set to 0 and 'history' set to []")
+        assert other.start == 0, "left as it was"
+        other.load_state_dict({**state, "start": 0, "history": []})
+        assert (other.epoch, sorted(other)) == (1, list(range(40))), "the epoch again, in its own order"
+        assert other.state_dict()["layout"] == other.layout() != saved.layout()
+
+    for order_name in ("random", "sequential"):  # orders that do not depend on blocks
+        kept = ShardSampler(PackedDataset(packed.path, block_bytes=5 * record), order=order_name, seed=4)
+        kept.set_epoch(1)
+        kept.start = 15
+        state = kept.state_dict()
+        assert state["layout"] is None
+        other = ShardSampler(PackedDataset(packed.path, block_bytes=10 * record), order=order_name)
+        other.load_state_dict(state)
+        assert list(other) == kept.rank_order()[15:].tolist()
 
 
 def test_state_missing_an_entry_or_not_a_dict():
