@@ -26,9 +26,11 @@ epoch and all-reducing a number after each batch, as DDP's gradient sync keeps r
 figures are the job's (all ranks' images over the slowest rank's time, the last rank's first batch;
 ``--hold`` and ``--grow`` taken by each rank).
 
-Reported per run: img/s, seconds, the first batch's wait, what the disk served (bytes, the number and
-mean size of its IOs: ``slowdisk counters``, the block throttle's counters for the slow disk's
-device, before and after), MB/s, the images per CPU-second of the reader's processes (the main one and
+Reported per epoch: img/s, seconds, the first batch's wait, what the disk served during the epoch
+(bytes, the number and mean size of its IOs: ``slowdisk counters``, the block throttle's counters for
+the slow disk's device, read by the reader's process as each epoch starts and ends: the loader reads
+the next epoch's first window while an epoch ends, so an epoch's bytes can exceed the set's), MB/s, the
+disk's own rate (``cat``, below), the images per CPU-second of the reader's processes (the main one and
 its workers, the workers' start included in the first epoch; FFCV: its one process) and the CPU-seconds
 of the main process alone (the training process: what it spends there is taken from the training
 step), and the epoch's time against the *payload bound*:
@@ -88,7 +90,7 @@ def read_epochs(dataset: str, order: str, epochs: int, workers: int, hold_mb: in
     loader = make_loader(PackedDataset(dataset), BATCH, num_workers=workers, order=order,
                          multiprocessing_context=start_method)
     grown = InLockstep(GrowsAtFirstBatch(loader, grow_mb)) if ranked else GrowsAtFirstBatch(loader, grow_mb)
-    rows = _epochs(grown, epochs, set_epoch=True, pids=lambda: worker_pids(loader))
+    rows = _epochs(grown, epochs, set_epoch=True, pids=lambda: worker_pids(loader), disk=epoch_disk())
     del held, grown  # held through the epochs
     if ranked:
         rows = _whole_job(rows)
@@ -173,6 +175,13 @@ def _output(command: list[str], env: dict[str, str]) -> str:
     return done.stdout
 
 
+def epoch_disk():
+    """In a reader run by ``measured`` (``MNT`` set), the callable that gives the disk's counters at each
+    epoch's start and end (``bench_ffcv._epochs``); None elsewhere."""
+    mnt = os.environ.get("MNT")
+    return (lambda: disk_reads(mnt)) if mnt else None
+
+
 def disk_reads(mnt: str) -> tuple[int, int]:
     """(bytes, IOs) the throttled group has read from the slow disk at ``mnt`` so far (``slowdisk
     counters``: the blkio or io controller's counters of that device)."""
@@ -254,12 +263,12 @@ def run(args: argparse.Namespace) -> None:
                        "--order", order, "--workers", str(args.workers)]
             # its bound: the whole file at the rate cat read it (the JPEG payloads and FFCV's index)
             rows.extend(_row(f"FFCV 1.0.2, {FFCV_ORDERS[order]}", command, mnt, args.mem, size, size / seconds))
-    print("\n| reader, order | epoch | img/s | s | first batch s | read MB | IOs | mean IO KiB | MB/s "
-          "| x payload bound | x decode bound | x bound | img per CPU-s | main process CPU-s |\n" + "|---" * 14 + "|")
+    print("\n| reader, order | epoch | img/s | s | first batch s | read MB | IOs | mean IO KiB | MB/s | cat MB/s "
+          "| x payload bound | x decode bound | x bound | img per CPU-s | main process CPU-s |\n" + "|---" * 15 + "|")
     for row in rows:
         print(f"| {row['name']} | {row['epoch']} | {row['img_s']:,.0f} | {row['seconds']:.2f} | "
               f"{row['first_batch_s']:.2f} | {row['read_mb']} | {row['ios']} | {row['io_kib']} | "
-              f"{row['mb_s']} | {row['x_payload']} | {row.get('x_decode', '')} | "
+              f"{row['mb_s']} | {row['cat_mb_s']} | {row['x_payload']} | {row.get('x_decode', '')} | "
               f"{row.get('x_bound', row['x_payload'])} | {row['img_cpu_s']:,.0f} | {row['main_cpu_s']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
@@ -342,27 +351,24 @@ def decode_alone(dataset: str, workers: int, count: int = 3000) -> dict | None:
 
 
 def _row(name: str, command: list[str], mnt: str, mem: str | None, payload: int, rate: float) -> list[dict]:
-    """Run one reader (all its epochs in one process); the disk counters cover the whole run, so with
-    several epochs they are shared out by what each epoch took (shown on the first row)."""
+    """Run one reader (all its epochs in one process): a row per epoch, with what the disk served during
+    that epoch (the reader reads the counters itself) and the disk's rate ``rate`` (``cat``'s)."""
     seconds, nbytes, ios, out = measured(command, mnt, mem)
-    epochs = json.loads(out.strip().splitlines()[-1])
     rows = []
-    for epoch in epochs:
-        epoch["seconds"], epoch["first_batch_s"] = epoch["images"] / epoch["img_s"], epoch["first_batch_ms"] / 1000
-    for epoch in epochs:
-        first = epoch is epochs[0]
-        rows.append({"name": name, "epoch": epoch["epoch"], "img_s": epoch["images"] / epoch["seconds"],
-                     "seconds": epoch["seconds"], "first_batch_s": epoch["first_batch_s"],
-                     "read_mb": f"{nbytes / 1e6:,.0f}" if first else "",
-                     "ios": ios if first else "", "io_kib": f"{nbytes / max(ios, 1) / 1024:,.0f}" if first else "",
-                     "mb_s": f"{nbytes / sum(e['seconds'] for e in epochs) / 1e6:.0f}" if first else "",
-                     "x_payload": f"{epoch['seconds'] / (payload / rate):.2f}x",
+    for epoch in json.loads(out.strip().splitlines()[-1]):
+        took, served, count = epoch["images"] / epoch["img_s"], epoch["read_bytes"], epoch["ios"]
+        rows.append({"name": name, "epoch": epoch["epoch"], "img_s": epoch["img_s"], "seconds": took,
+                     "first_batch_s": epoch["first_batch_ms"] / 1000, "read_mb": f"{served / 1e6:,.0f}",
+                     "ios": count, "io_kib": f"{served / max(count, 1) / 1024:,.0f}",
+                     "mb_s": f"{served / took / 1e6:.0f}", "cat_mb_s": f"{rate / 1e6:.1f}",
+                     "payload_bound_s": payload / rate, "x_payload": f"{took / (payload / rate):.2f}x",
                      "img_cpu_s": epoch["img_per_cpu_s"], "main_cpu_s": epoch["main_cpu_s"]})
-        print(f"  {name} epoch {epoch['epoch']}: {rows[-1]['img_s']:,.0f} img/s, {epoch['seconds']:.2f} s "
-              f"({rows[-1]['x_payload']} the payload bound), first batch {epoch['first_batch_s']:.2f} s, "
-              f"{epoch['img_per_cpu_s']:,.0f} img per CPU-s ({epoch['main_cpu_s']:.2f} CPU-s in the main "
-              "process)", flush=True)
-    print(f"    disk: {nbytes / 1e6:,.0f} MB in {ios} IOs", flush=True)
+        print(f"  {name} epoch {epoch['epoch']}: {epoch['img_s']:,.0f} img/s, {took:.2f} s "
+              f"({rows[-1]['x_payload']} the payload bound), first batch {rows[-1]['first_batch_s']:.2f} s, "
+              f"disk {rows[-1]['read_mb']} MB in {count} IOs, {epoch['img_per_cpu_s']:,.0f} img per CPU-s "
+              f"({epoch['main_cpu_s']:.2f} CPU-s in the main process)", flush=True)
+    print(f"    disk, the whole run ({seconds:.1f} s, the dataset's open and the workers' start included): "
+          f"{nbytes / 1e6:,.0f} MB in {ios} IOs", flush=True)
     return rows
 
 
@@ -413,7 +419,7 @@ def main() -> None:
         print(json.dumps(decode_alone(args.path, args.workers)))
     else:
         from bench_ffcv import run_ffcv
-        print(json.dumps(run_ffcv(args.path, args.epochs, args.workers, args.order)))
+        print(json.dumps(run_ffcv(args.path, args.epochs, args.workers, args.order, disk=epoch_disk())))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def run_ours(dataset: str, epochs: int, workers: int, threads: int | None) -> li
     return _epochs(loader, epochs, set_epoch=True, pids=lambda: worker_pids(loader))
 
 
-def run_ffcv(beton: str, epochs: int, workers: int, order: str = "random") -> list[dict]:
+def run_ffcv(beton: str, epochs: int, workers: int, order: str = "random", disk=None) -> list[dict]:
     """Per-epoch figures of FFCV's Loader over a .beton (runs in FFCV's venv): ``order`` "random"
     (``OrderOption.RANDOM``, ``os_cache=True``) or "quasi_random" (``QUASI_RANDOM``, which FFCV allows
     only with ``os_cache=False``: its own page-sized reads and memory)."""
@@ -60,18 +60,21 @@ def run_ffcv(beton: str, epochs: int, workers: int, order: str = "random") -> li
                     os_cache=not quasi, drop_last=False,
                     pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
                                "label": [IntDecoder(), ToTensor()]})
-    return _epochs(loader, epochs, set_epoch=False, pids=lambda: [])
+    return _epochs(loader, epochs, set_epoch=False, pids=lambda: [], disk=disk)
 
 
-def _epochs(loader, epochs: int, *, set_epoch: bool, pids) -> list[dict]:
+def _epochs(loader, epochs: int, *, set_epoch: bool, pids, disk=None) -> list[dict]:
     """Per epoch: img/s, the first batch's wait, this process's peak RSS, and the CPU seconds that
     this process and ``pids()`` (the reader's worker processes) spent per image, which load from other
     processes on a shared machine disturbs far less than img/s, and this process's own CPU seconds
-    (the work that competes with the training step)."""
+    (the work that competes with the training step). With ``disk`` (a callable returning the bytes and
+    IOs a disk has served so far: ``bench_cold.disk_reads``) also what it served during each epoch,
+    ``read_bytes`` and ``ios``: whether every epoch of a set larger than RAM was read from it again."""
     rows = []
     for epoch in range(epochs):
         if set_epoch:
             loader.set_epoch(epoch)
+        served = disk() if disk else None
         cpu_start, main_start = _cpu_seconds([os.getpid(), *pids()]), _cpu_seconds([os.getpid()])
         start = time.perf_counter()
         first = None
@@ -86,6 +89,9 @@ def _epochs(loader, epochs: int, *, set_epoch: bool, pids) -> list[dict]:
                      "img_per_cpu_s": images / cpu if cpu > 0 else 0.0,
                      "main_cpu_s": _cpu_seconds([os.getpid()]) - main_start,
                      "first_batch_ms": 1000 * first, "max_rss_mb": _max_rss_mb()})
+        if served is not None:
+            now = disk()
+            rows[-1].update(read_bytes=now[0] - served[0], ios=now[1] - served[1])
     return rows
 
 
