@@ -24,16 +24,17 @@ The lookahead may be a callable, asked again at every batch: a streamed loader's
 free as the job runs (``reader.lookahead.Lookahead``). When it shrinks, the batches beyond it are
 yielded at once; when it grows, batches are advised before the next is yielded.
 
-The first batch alone at a stream's start: the DataLoader asks for ``in_flight`` batches at once, and
+No lookahead at a stream's start: the DataLoader asks for its ``in_flight`` batches at once, and
 advising them and the lookahead beyond queued three windows of blocks (about 70 MB of 24,000 JPEGs) in
 the first 50 ms. A quasi-random first batch needs its whole first window, and the disk did not serve
 that window first: on the throttled disk, the kernel cuts a block's read into several requests where
 its pages are not contiguous in memory, and the later pieces queued behind the other windows' reads, so
 that the first window was complete one throttle step (0.1 s) later in 9 runs of 16 (first batch
 0.32-0.35 s against 0.23-0.24). So until the first batch is back (the DataLoader asks for one more),
-only the first batch is advised (its blocks are the first window's); the batches handed out meanwhile
-are advised then, in order, as if just handed out, and the lookahead follows. The first batch then came
-in 0.24-0.28 s in 16 runs of 16, epochs as before (BENCHMARKS.md, "The first window alone").
+the stream advises only the batches it hands out (with 2 workers, 4 batches, all in the first window),
+and the lookahead beyond them only then. The first batch then came in 0.24-0.29 s in every run, epochs
+as before (BENCHMARKS.md, "The first window alone"). Every batch is still advised before it is handed
+out, which a streamed view's drops rely on (``reader.streamed_blocks``).
 
 Record tables further ahead (optional, with ``read_tables``): advising a batch needs the record tables
 of its shards, and a table read only then waits behind every block advised before it, while the
@@ -79,7 +80,8 @@ class BatchStream(Sampler[list[int]]):
     beyond those (``reader.streamed_blocks``)) sees
     every batch of ``endless()`` ``ceil(lookahead / batch_size)`` batches before it is yielded
     (``lookahead``: samples, or a callable giving them, asked at every batch), except at the start,
-    where the batches after the first are advised once the first is back (module docstring), and
+    where each of the ``in_flight`` batches is advised as it is handed out and the lookahead beyond them
+    once the first batch is back (module docstring), and
     ``read_tables`` (called with a batch's indices) ``TABLE_LEAD`` times as many batches (at least
     ``TABLE_LEAD``) before that
     (see the module docstring).
@@ -177,24 +179,14 @@ class BatchStream(Sampler[list[int]]):
                 yield batch.tolist()
             return
         coming: deque[tuple[int, np.ndarray]] = deque()  # tables asked for, not advised yet
-        ahead: deque[np.ndarray] = deque()  # advised (or held), not yielded yet
-        held: deque[tuple[int, np.ndarray]] = deque()  # handed out unadvised before the first batch came back
+        ahead: deque[np.ndarray] = deque()  # advised, not yielded yet
         advised = yielded = 0
-        first_out = self.in_flight  # batches the DataLoader asks for before any comes back
-
-        def advise_in_order(number: int, batch: np.ndarray, received: int) -> None:
-            nonlocal advised
-            advise(batch, StreamPosition(advised, number, received))
-            advised += 1
 
         def advise_next() -> None:
+            nonlocal advised
             number, batch = coming.popleft()
-            if advised and yielded < first_out:  # the stream's start: the first batch alone is advised
-                held.append((number, batch))
-            else:
-                while held:  # as they would have been when handed out: no batch back yet
-                    advise_in_order(*held.popleft(), received=0)
-                advise_in_order(number, batch, max(0, yielded - max(first_out, 1) + 1))
+            advise(batch, StreamPosition(advised, number, max(0, yielded - max(self.in_flight, 1) + 1)))
+            advised += 1
             ahead.append(batch)
 
         for number, batch in batches:
@@ -205,13 +197,12 @@ class BatchStream(Sampler[list[int]]):
             tables_lead = TABLE_LEAD * max(lookahead, 1) if self.read_tables is not None else 0
             while len(coming) > tables_lead:
                 advise_next()
-            while len(ahead) > (lookahead if yielded >= first_out else 0):
+            # nothing advised beyond the batches handed out until the first one is back (module docstring)
+            while len(ahead) > (lookahead if yielded >= self.in_flight else 0):
                 yield ahead.popleft().tolist()
                 yielded += 1
         while coming:
             advise_next()
-        while held:
-            advise_in_order(*held.popleft(), received=0)
         while ahead:
             yield ahead.popleft().tolist()
             yielded += 1

@@ -106,7 +106,7 @@ class ShardSampler(Sampler[int]):
         self.start = 0
         self.history: list[tuple[int, int]] = []
         self._groups = view.block_groups()
-        self._layout: str | None = None
+        self._blocks_digest: str | None = None  # of which records each block holds (``layout``)
         self._orders: dict[tuple, EpochOrder] = {}
         if across_the_process_group(world_size):
             _check_same_on_every_rank({"seed": seed, "order": order, "number of records": self.num_records,
@@ -119,13 +119,12 @@ class ShardSampler(Sampler[int]):
         refuses to resume mid-epoch over blocks cut otherwise (module docstring, "Resume")."""
         if self.order != "quasi_random":
             return None
-        if self._layout is None:
+        if self._blocks_digest is None:
             digest = xxhash.xxh3_64(self._groups.bounds.astype("<i8").tobytes())
             if self._groups.positions is not None:
                 digest.update(self._groups.positions.astype("<i8").tobytes())
-            self._layout = (f"{self._groups.block_count} blocks in windows of {self.buffer_blocks}, "
-                            f"xxh3 {digest.hexdigest()}")
-        return self._layout
+            self._blocks_digest = digest.hexdigest()
+        return f"{self._groups.block_count} blocks in windows of {self.buffer_blocks}, xxh3 {self._blocks_digest}"
 
     @property
     def samples_per_rank(self) -> int:
@@ -188,7 +187,9 @@ class ShardSampler(Sampler[int]):
                    for world, start in steps]
         saved_world = whole_number("saved world_size", state.get("world_size", self.world_size), 1)
         start = whole_number("saved start", state["start"])
-        self._check_layout(state.get("layout"), mid_epoch=start > 0 or bool(history))
+        begun = start > 0 or bool(history)
+        left = self._remaining([*history, (saved_world, start)]) if begun else self.num_records
+        self._check_layout(state.get("layout"), mid_epoch=begun and left > 0)
         if saved_world != self.world_size:
             history, start = [*history, (saved_world, start)], 0
         remaining = self._remaining(history)
@@ -199,8 +200,8 @@ class ShardSampler(Sampler[int]):
 
     def _check_layout(self, saved: object, mid_epoch: bool) -> None:
         """Refuse a saved block ``layout()`` other than this sampler's where it matters: mid-epoch, where
-        the rest of the epoch is the rest of the saved order. A state saved at an epoch's start resumes
-        into an order of this sampler's own, as any new epoch does."""
+        the rest of the epoch is the rest of the saved order. A state saved at an epoch's start or end
+        resumes into an order of this sampler's own, as any new epoch does."""
         if saved is not None and not isinstance(saved, str):
             raise TypeError(f"saved layout must be a string or None, got {type(saved).__name__}")
         mine = self.layout()

@@ -175,10 +175,13 @@ def _output(command: list[str], env: dict[str, str]) -> str:
     return done.stdout
 
 
+COUNTERS_ENV = "BENCH_COLD_COUNTERS"  # set by ``measured`` for its reader: the slow disk's mount point
+
+
 def epoch_disk():
-    """In a reader run by ``measured`` (``MNT`` set), the callable that gives the disk's counters at each
-    epoch's start and end (``bench_ffcv._epochs``); None elsewhere."""
-    mnt = os.environ.get("MNT")
+    """In a reader run by ``measured`` (``COUNTERS_ENV`` set), the callable that gives the disk's counters
+    at each epoch's start and end (``bench_ffcv._epochs``); None elsewhere."""
+    mnt = os.environ.get(COUNTERS_ENV)
     return (lambda: disk_reads(mnt)) if mnt else None
 
 
@@ -194,7 +197,7 @@ def disk_reads(mnt: str) -> tuple[int, int]:
 
 def measured(command: list[str], mnt: str, mem: str | None = None) -> tuple[float, int, int, str]:
     """Run ``command`` under ``slowdisk run``: (seconds, bytes read, IOs, stdout)."""
-    env = {**os.environ, "MNT": mnt}
+    env = {**os.environ, "MNT": mnt, COUNTERS_ENV: mnt}
     env.pop("SLOW_MEM", None)
     if mem:
         env["SLOW_MEM"] = mem

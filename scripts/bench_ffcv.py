@@ -71,10 +71,10 @@ def _epochs(loader, epochs: int, *, set_epoch: bool, pids, disk=None) -> list[di
     IOs a disk has served so far: ``bench_cold.disk_reads``) also what it served during each epoch,
     ``read_bytes`` and ``ios``: whether every epoch of a set larger than RAM was read from it again."""
     rows = []
+    served = disk() if disk else None  # an epoch's end is the next one's start: no read falls between
     for epoch in range(epochs):
         if set_epoch:
             loader.set_epoch(epoch)
-        served = disk() if disk else None
         cpu_start, main_start = _cpu_seconds([os.getpid(), *pids()]), _cpu_seconds([os.getpid()])
         start = time.perf_counter()
         first = None
@@ -89,9 +89,10 @@ def _epochs(loader, epochs: int, *, set_epoch: bool, pids, disk=None) -> list[di
                      "img_per_cpu_s": images / cpu if cpu > 0 else 0.0,
                      "main_cpu_s": _cpu_seconds([os.getpid()]) - main_start,
                      "first_batch_ms": 1000 * first, "max_rss_mb": _max_rss_mb()})
-        if served is not None:
+        if disk is not None and served is not None:
             now = disk()
             rows[-1].update(read_bytes=now[0] - served[0], ios=now[1] - served[1])
+            served = now
     return rows
 
 

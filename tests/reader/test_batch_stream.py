@@ -159,11 +159,11 @@ def test_loader_asks_for_the_first_tables_before_forking_its_workers(raw_path, m
     assert sum(yielded, []) == ds.targets[loader.shard_sampler.rank_order()].tolist()
 
 
-def test_a_loader_advises_its_first_batch_alone_until_it_is_back(raw_path, monkeypatch):
-    """With real DataLoader workers: of the ``in_flight`` batches handed to the workers at the start only
-    the first is advised before a batch comes back; when ``next()`` returns the first batch, the others
-    have been advised and the lookahead beyond them, in the stream's order (the module docstring's
-    "first batch alone"); the batches are the same."""
+def test_a_loader_advises_no_lookahead_until_its_first_batch_is_back(raw_path, monkeypatch):
+    """With real DataLoader workers: of the stream, only the ``in_flight`` batches handed to the workers
+    at the start are advised before a batch comes back; when ``next()`` returns the first batch, the
+    lookahead beyond them has been too, in the stream's order (the module docstring's "No lookahead at a
+    stream's start"); the batches are the same."""
     events: list[str] = []
     ds = PackedDataset(raw_path, block_bytes=1 << 20)
     loader = make_loader(ds, BATCH, num_workers=2, buffer_blocks=2, multiprocessing_context="fork")
@@ -175,7 +175,7 @@ def test_a_loader_advises_its_first_batch_alone_until_it_is_back(raw_path, monke
     batches = iter(loader)
     _, labels = next(batches)
     assert stream.in_flight == 4 and stream.lookahead_batches > 0
-    assert events.index("received") == 1 and events[0] == "advise", "the first batch alone before one is back"
+    assert events.index("received") == stream.in_flight, "the batches handed out alone before one is back"
     assert len(advised) == stream.in_flight + 1 + stream.lookahead_batches
     plain = BatchStream(loader.shard_sampler, BATCH, False)
     plain.epoch_step = stream.epoch_step
@@ -198,13 +198,12 @@ def test_advice_names_each_batch_s_pass(raw_path):
 def test_advice_says_which_batches_the_loader_has_received(raw_path, in_flight):
     """Each advised batch carries its number in the stream, and how many batches a DataLoader holding
     ``in_flight`` batches beyond those received has received: when the stream hands out its batch ``n``,
-    batches ``0 .. n - in_flight`` (``reader.streamed_blocks``). A batch handed out before the first came
-    back and advised only then carries what had been received when it was handed out: none."""
+    batches ``0 .. n - in_flight`` (``reader.streamed_blocks``)."""
     stream = Stream(raw_path, lookahead=2 * BATCH, in_flight=in_flight)
     stream.take(20)
     assert [at.batch for at in stream.positions] == list(range(len(stream.positions)))
     for (yielded, _), at in zip(stream.calls, stream.positions):
-        assert at.received == max(0, min(yielded, at.batch) - in_flight + 1)
+        assert at.received == max(0, yielded - in_flight + 1)
         assert at.received <= yielded
     with pytest.raises(ValueError, match="in_flight"):
         BatchStream(stream.sampler, BATCH, False, in_flight=-1)
@@ -213,36 +212,36 @@ def test_advice_says_which_batches_the_loader_has_received(raw_path, in_flight):
 def test_without_lookahead_each_batch_is_advised_as_it_is_handed_out(raw_path):
     """A lookahead of 0 (a streamed loader whose batches in flight already fill its budget) still shows
     every batch to ``advise``, just before it is yielded: the main process keeps track of the blocks in
-    use and drops them (``reader.streamed_blocks``); the batches handed out with the first, before it
-    came back, once it has. Without ``advise`` there is no lookahead."""
+    use and drops them (``reader.streamed_blocks``). Without ``advise`` there is no lookahead."""
     sampler = ShardSampler(PackedDataset(raw_path))
     assert BatchStream(sampler, BATCH, False, lookahead=8).lookahead_batches == 0
     stream = Stream(raw_path, lookahead=0, in_flight=2)
     assert stream.stream.lookahead_batches == 0
     batches = stream.take(12)
     assert batches == plain_batches(stream.sampler, 12)
-    assert stream.calls == [(0, batches[0]), (2, batches[1])] + list(enumerate(batches))[2:]
+    assert stream.calls == list(enumerate(batches))  # batch k advised once k batches were yielded
     with pytest.raises(ValueError, match="lookahead"):
         BatchStream(sampler, BATCH, False, advise=lambda *_: None, lookahead=-1)
 
 
 @pytest.mark.parametrize("in_flight, ahead", [(4, 3), (2, 0), (1, 2)])
-def test_until_the_first_batch_is_back_only_it_is_advised(raw_path, in_flight, ahead):
-    """At a stream's start the DataLoader asks for its ``in_flight`` batches at once; only the first is
-    advised then, so that a slow disk reads the first batch's blocks before any other (BENCHMARKS.md,
-    "The first window alone"). Once the DataLoader asks for one more (the first batch is back), the
-    batches handed out meanwhile are advised, in order, then the stream advises ``ahead`` batches
-    beyond the one it yields, as it does from then on. The batches are the same as without advice."""
+def test_no_lookahead_until_the_first_batch_is_back(raw_path, in_flight, ahead):
+    """At a stream's start the DataLoader asks for its ``in_flight`` batches at once; each is advised as
+    it is handed out and none beyond, so that a slow disk reads the first batches' blocks before any
+    other (the module docstring; BENCHMARKS.md, "The first window alone"). Once the DataLoader asks for
+    one more (the first batch is back), the stream advises ``ahead`` batches beyond the one it yields,
+    as it does from then on. Every batch is advised before it is handed out, in order; the batches are
+    the same as without advice."""
     stream = Stream(raw_path, lookahead=ahead * BATCH, in_flight=in_flight)
     batches = stream.take(in_flight + 6)
     assert batches == plain_batches(stream.sampler, in_flight + 6)
     advised = [indices for _, indices in stream.calls]
-    assert advised == plain_batches(stream.sampler, len(advised)), "each batch advised once, in order"
+    assert advised == plain_batches(stream.sampler, len(advised))
     steps = [step for step, _ in stream.calls]
-    assert steps[0] == 0 and 0 not in steps[1:], "nothing but the first batch before it is back"
-    back = in_flight + ahead + 1  # advised when the DataLoader asks for batch in_flight
-    assert steps[1:back] == [in_flight] * (back - 1)
-    assert steps[back:] == list(range(in_flight + 1, in_flight + 1 + len(steps) - back))
+    back = in_flight + ahead + 1  # advised by the time the DataLoader has batch in_flight
+    assert steps[:in_flight] == list(range(in_flight)), "each as it is handed out, none beyond"
+    assert steps[in_flight:back] == [in_flight] * (ahead + 1)
+    assert steps[back:] == [k - ahead for k in range(back, len(steps))]
 
 
 def test_empty_stream_advises_nothing(raw_path):

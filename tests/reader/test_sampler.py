@@ -257,6 +257,13 @@ def test_a_mid_epoch_resume_over_other_blocks_is_refused(tmp_path: Path):
         assert (other.epoch, sorted(other)) == (1, list(range(40))), "the epoch again, in its own order"
         assert other.state_dict()["layout"] == other.layout() != saved.layout()
 
+    whole = ShardSampler(PackedDataset(packed.path, block_bytes=5 * record), seed=4, buffer_blocks=2)
+    whole.set_epoch(1)
+    whole.start = len(order)  # saved as the epoch ended: nothing of it is left to repeat or skip
+    other = ShardSampler(PackedDataset(packed.path, block_bytes=10 * record), buffer_blocks=2)
+    other.load_state_dict(whole.state_dict())
+    assert (other.epoch, other.samples_left) == (1, 0)
+
     for order_name in ("random", "sequential"):  # orders that do not depend on blocks
         kept = ShardSampler(PackedDataset(packed.path, block_bytes=5 * record), order=order_name, seed=4)
         kept.set_epoch(1)
