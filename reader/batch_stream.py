@@ -29,12 +29,13 @@ advising them and the lookahead beyond queued three windows of blocks (about 70 
 the first 50 ms. A quasi-random first batch needs its whole first window, and the disk did not serve
 that window first: on the throttled disk, the kernel cuts a block's read into several requests where
 its pages are not contiguous in memory, and the later pieces queued behind the other windows' reads, so
-that the first window was complete one throttle step (0.1 s) later in 9 runs of 16 (first batch
-0.32-0.35 s against 0.23-0.24). So until the first batch is back (the DataLoader asks for one more),
-the stream advises only the batches it hands out (with 2 workers, 4 batches, all in the first window),
-and the lookahead beyond them only then. The first batch then came in 0.24-0.29 s in every run, epochs
-as before (BENCHMARKS.md, "The first window alone"). Every batch is still advised before it is handed
-out, which a streamed view's drops rely on (``reader.streamed_blocks``).
+that the first window was complete one throttle step (0.1 s) or more later in 9 and 11 runs of 16 in
+two sets of runs (first batch 0.32-0.78 s against 0.23-0.24). So until the first batch is back (the
+DataLoader asks for one more), the stream advises only the batches it hands out (with 2 workers, 4
+batches, all in the first window), and the lookahead beyond them only then. The first batch then came
+in 0.22-0.29 s in 68 runs of 68, epochs as before (BENCHMARKS.md, "The first window alone"). Every
+batch is still advised before it is handed out, which a streamed view's drops rely on
+(``reader.streamed_blocks``).
 
 Record tables further ahead (optional, with ``read_tables``): advising a batch needs the record tables
 of its shards, and a table read only then waits behind every block advised before it, while the

@@ -187,9 +187,7 @@ class ShardSampler(Sampler[int]):
                    for world, start in steps]
         saved_world = whole_number("saved world_size", state.get("world_size", self.world_size), 1)
         start = whole_number("saved start", state["start"])
-        begun = start > 0 or bool(history)
-        left = self._remaining([*history, (saved_world, start)]) if begun else self.num_records
-        self._check_layout(state.get("layout"), mid_epoch=begun and left > 0)
+        self._check_layout(state.get("layout"), [*history, (saved_world, start)])
         if saved_world != self.world_size:
             history, start = [*history, (saved_world, start)], 0
         remaining = self._remaining(history)
@@ -198,14 +196,18 @@ class ShardSampler(Sampler[int]):
             raise ValueError(f"saved start {start} is outside this rank's {per_rank} samples")
         self.epoch, self.seed, self.history, self.start = epoch, seed, history, start
 
-    def _check_layout(self, saved: object, mid_epoch: bool) -> None:
-        """Refuse a saved block ``layout()`` other than this sampler's where it matters: mid-epoch, where
-        the rest of the epoch is the rest of the saved order. A state saved at an epoch's start or end
-        resumes into an order of this sampler's own, as any new epoch does."""
+    def _check_layout(self, saved: object, passes: list[tuple[int, int]]) -> None:
+        """Refuse a saved block ``layout()`` other than this sampler's where it matters: mid-epoch (the
+        saved ``passes``, ``history`` then the last pass's ``(world_size, start)``, have begun the epoch
+        and left some of it), where the rest of the epoch is the rest of the saved order. A state saved
+        at an epoch's start or end resumes into an order of this sampler's own, as any new epoch does."""
         if saved is not None and not isinstance(saved, str):
             raise TypeError(f"saved layout must be a string or None, got {type(saved).__name__}")
         mine = self.layout()
-        if saved is None or not mid_epoch or saved == mine:
+        if saved is None or saved == mine:
+            return
+        begun = len(passes) > 1 or passes[-1][1] > 0
+        if not begun or self._remaining(passes) == 0:
             return
         raise ValueError(
             f"saved state is mid-epoch in a quasi-random order over other blocks (saved: {saved}; this "
