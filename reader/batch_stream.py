@@ -56,6 +56,7 @@ the slow disk; BENCHMARKS.md, "The record tables before the forks").
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from typing import Callable, Iterator
 
 import numpy as np
@@ -164,11 +165,14 @@ class BatchStream(Sampler[list[int]]):
         further ahead"). ``endless()`` asks for them again, which costs a set lookup per shard."""
         if self.advise is None or self.read_tables is None:
             return
-        first = TABLE_LEAD * max(self.lookahead_batches, 1) + 1
-        for count, (_, batch) in enumerate(self._batches(), 1):
+        for _, batch in islice(self._batches(), self._tables_lead(self.lookahead_batches) + 1):
             self.read_tables(batch)
-            if count == first:
-                return
+
+    def _tables_lead(self, lookahead: int) -> int:
+        """How many batches ahead of its advice a batch's record tables are asked for, with ``lookahead``
+        batches advised ahead: ``TABLE_LEAD`` lookaheads, a lookahead of none counting as one (module
+        docstring); none without ``read_tables``."""
+        return TABLE_LEAD * max(lookahead, 1) if self.read_tables is not None else 0
 
     def endless(self) -> Iterator[list[int]]:
         """Pass after pass from the sampler's current one, each batch advised ahead and its record tables
@@ -195,8 +199,7 @@ class BatchStream(Sampler[list[int]]):
                 self.read_tables(batch)
             coming.append((number, batch))
             lookahead = self.lookahead_batches
-            tables_lead = TABLE_LEAD * max(lookahead, 1) if self.read_tables is not None else 0
-            while len(coming) > tables_lead:
+            while len(coming) > self._tables_lead(lookahead):
                 advise_next()
             # nothing advised beyond the batches handed out until the first one is back (module docstring)
             while len(ahead) > (lookahead if yielded >= self.in_flight else 0):

@@ -49,7 +49,7 @@ number of GPUs is free, and an epoch of a large dataset is too long to throw awa
 """
 from __future__ import annotations
 
-from typing import Iterator, cast
+from typing import Any, Iterator, cast
 
 import numpy as np
 import torch.distributed as dist
@@ -109,8 +109,12 @@ class ShardSampler(Sampler[int]):
         self._blocks_digest: str | None = None  # of which records each block holds (``layout``)
         self._orders: dict[tuple, EpochOrder] = {}
         if across_the_process_group(world_size):
-            _check_same_on_every_rank({"seed": seed, "order": order, "number of records": self.num_records,
-                                       "block layout": self.layout()})
+            per_rank_seed = "pass the run's seed (e.g. make_loader(seed=args.seed)), not a per-rank one"
+            _check_same_on_every_rank({
+                "seed": (seed, per_rank_seed), "order": (order, per_rank_seed),
+                "number of records": (self.num_records, per_rank_seed),
+                "block layout": (self.layout(), "open the dataset with the same block_bytes= and buffer_blocks= "
+                                                "on every rank")})
 
     def layout(self) -> str | None:
         """What the quasi-random order depends on besides seed and epoch, as one line: how many blocks,
@@ -330,20 +334,19 @@ class ShardSampler(Sampler[int]):
         return order[wrapped], valid[wrapped] & (np.arange(total) < len(order))
 
 
-def _check_same_on_every_rank(values: dict) -> None:
-    """Raise ``ValueError`` on every rank when the ranks passed different ``values``; and, in the same
+def _check_same_on_every_rank(checked: dict[str, tuple[Any, str]]) -> None:
+    """Raise ``ValueError`` on every rank when the ranks passed different values, ``checked`` mapping
+    each value's name to the value and what to do where the ranks disagree on it; and, in the same
     collective, learn how many ranks share this host (``reader.ranks.note_hosts``)."""
     gathered: list[dict | None] = [None] * dist.get_world_size()
+    values = {name: value for name, (value, _) in checked.items()}
     dist.all_gather_object(gathered, {"values": values, "host": this_host()})
     entries = cast(list[dict], gathered)  # every rank sent one
     note_hosts([entry["host"] for entry in entries])
-    for name in values:
+    for name, (_, remedy) in checked.items():
         seen = [entry["values"][name] for entry in entries]
         if len(set(seen)) > 1:
             each = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(seen))
-            remedy = ("open the dataset with the same block_bytes= and buffer_blocks= on every rank"
-                      if name == "block layout" else
-                      "pass the run's seed (e.g. make_loader(seed=args.seed)), not a per-rank one")
             raise ValueError(
                 f"ShardSampler: the ranks disagree on the {name} ({each}); it must be the same on every "
                 f"rank: the sampler splits one order between the ranks itself, so {remedy}")

@@ -89,7 +89,7 @@ def _epochs(loader, epochs: int, *, set_epoch: bool, pids, disk=None) -> list[di
                      "img_per_cpu_s": images / cpu if cpu > 0 else 0.0,
                      "main_cpu_s": _cpu_seconds([os.getpid()]) - main_start,
                      "first_batch_ms": 1000 * first, "max_rss_mb": _max_rss_mb()})
-        if disk is not None and served is not None:
+        if served is not None:
             now = disk()
             rows[-1].update(read_bytes=now[0] - served[0], ios=now[1] - served[1])
             served = now
